@@ -1,0 +1,19 @@
+"""fismo: the reference implementation of the FISMO optimizer.
+
+FISMO (Fisher-Structured Momentum-Orthogonalized) is Algorithm 1 of Xu, Yan and
+Zhang, "FISMO: Fisher-Structured Momentum-Orthogonalized Optimizer". This
+package implements it once, against the Python array API standard, so it runs
+unchanged on NumPy, CuPy, PyTorch, JAX and array-api-strict.
+
+- :class:`FISMO`, :class:`FISMOState`: the optimizer as pure functions.
+- :mod:`fismo_core.linalg`: the matrix functions (polar factor, inverse square
+  root, trace normalisation), each with an exact and a matmul-only method.
+- :mod:`fismo_core.backends`: adapters to frameworks' own protocols.
+"""
+
+from . import linalg
+from .optimizer import FISMO, FISMOState, InverseRootConfig, PolarConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["FISMO", "FISMOState", "InverseRootConfig", "PolarConfig", "__version__", "linalg"]

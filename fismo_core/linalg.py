@@ -1,0 +1,270 @@
+"""Matrix functions FISMO needs, written once against the Python array API.
+
+Every function here takes arrays of shape ``(..., m, n)``: leading dimensions
+are a batch, so many same-shape matrices run as one call. The namespace,
+dtype and device follow the input (``array_api_compat.array_namespace``);
+only functions from the array API standard and its ``linalg`` extension are
+used, so the same code runs on NumPy, CuPy, PyTorch, JAX and array-api-strict.
+
+Each matrix function has an *exact* method (``eigh`` / ``svd``, the reference)
+and a *matmul-only* method (Newton–Schulz, the fast path on accelerators).
+Their accuracy against each other is documented in the docstrings and tested
+in ``tests/test_linalg.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+from array_api_compat import array_namespace, device
+
+__all__ = [
+    "MUON_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "inverse_sqrt",
+    "newton_schulz_schedule",
+    "polar",
+    "sym",
+    "trace_normalize",
+    "whiten",
+]
+
+Array = Any
+"""Any array of an array-API-compatible library."""
+
+Coefficients = Union[Literal["muon", "polar_express"], Sequence[Sequence[float]]]
+
+#: Keller Jordan's quintic for Muon, (a, b, c) of p(x) = a x + b x^3 + c x^5,
+#: used unchanged at every step (as in ``torch.optim.Muon``).
+MUON_COEFFICIENTS: tuple[tuple[float, float, float], ...] = ((3.4445, -4.7750, 2.0315),)
+
+_POLAR_EXPRESS_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+_POLAR_EXPRESS_SAFETY = 1.01
+
+#: The degree-5 Polar Express schedule of Amsel, Persson, Musco and Gower,
+#: "The Polar Express: Optimal Matrix Sign Methods and Their Application to the
+#: Muon Algorithm" (2025, arXiv:2505.16932), Algorithm 1: eight (a, b, c)
+#: triples, optimal in the sup norm for singular values in [1e-3, 1], each but
+#: the last divided by (1.01, 1.01^3, 1.01^5) for round-off safety. Steps past
+#: the eighth repeat the last triple, which is the classical degree-5
+#: Newton–Schulz polynomial (15x - 10x^3 + 3x^5)/8.
+POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = tuple(
+    (a / _POLAR_EXPRESS_SAFETY, b / _POLAR_EXPRESS_SAFETY**3, c / _POLAR_EXPRESS_SAFETY**5)
+    for a, b, c in _POLAR_EXPRESS_RAW[:-1]
+) + (_POLAR_EXPRESS_RAW[-1],)
+
+# Frobenius-norm divisor safety factor of each named schedule: Polar Express
+# divides by 1.01 * ||X||_F so that round-off cannot push a singular value
+# above 1, where its first polynomials blow up; Muon divides by ||X||_F.
+_NORMALIZATION_SAFETY = {"muon": 1.0, "polar_express": _POLAR_EXPRESS_SAFETY}
+_NAMED_SCHEDULES = {"muon": MUON_COEFFICIENTS, "polar_express": POLAR_EXPRESS_COEFFICIENTS}
+
+
+def sym(X: Array) -> Array:
+    """Symmetric part ``sym(X) = (X + X^T) / 2`` of square matrices ``(..., d, d)``."""
+    xp = array_namespace(X)
+    return (X + xp.matrix_transpose(X)) / 2
+
+
+def trace_normalize(A: Array) -> Array:
+    """Rescale square matrices ``(..., d, d)`` to trace ``d``: ``(d / tr A) A``.
+
+    This is the normalisation of Algorithm 1 (``P_t = sym(m / tr(P~_t) P~_t)``);
+    it removes the scale ambiguity ``(P, Q) ~ (cP, Q/c)`` of the Kronecker metric.
+    """
+    xp = array_namespace(A)
+    d = A.shape[-1]
+    return (d / xp.linalg.trace(A))[..., None, None] * A
+
+
+def whiten(X: Array, left: Array, right: Array) -> Array:
+    """Two-sided product ``left @ X @ right`` on stacks of matrices.
+
+    With ``left = P^{-1/2}`` and ``right = Q^{-1/2}`` this is the whitening of
+    Algorithm 1 line 6 (``G~ = P^{-1/2} G Q^{-1/2}``) and the un-whitening of
+    line 8 (``P^{-1/2} Polar(M) Q^{-1/2}``). The association is fixed as
+    ``(left @ X) @ right`` so every backend rounds the same way.
+    """
+    return (left @ X) @ right
+
+
+def newton_schulz_schedule(
+    coefficients: Coefficients, steps: int
+) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """The ``steps`` (a, b, c) triples a schedule uses, and its norm safety factor.
+
+    A schedule shorter than ``steps`` repeats its last triple (Muon's single
+    triple at every step; Polar Express past its eighth step).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if isinstance(coefficients, str):
+        if coefficients not in _NAMED_SCHEDULES:
+            raise ValueError(
+                f"unknown Newton–Schulz coefficients {coefficients!r}: use 'muon', "
+                "'polar_express' or a sequence of (a, b, c) triples"
+            )
+        triples = _NAMED_SCHEDULES[coefficients]
+        safety = _NORMALIZATION_SAFETY[coefficients]
+    else:
+        triples = tuple(tuple(float(v) for v in t) for t in coefficients)
+        if not triples or any(len(t) != 3 for t in triples):
+            raise ValueError(
+                "explicit Newton–Schulz coefficients must be a non-empty sequence "
+                f"of (a, b, c) triples, got {coefficients!r}"
+            )
+        if not all(math.isfinite(v) for t in triples for v in t):
+            raise ValueError(f"Newton–Schulz coefficients must be finite, got {coefficients!r}")
+        safety = 1.0
+    schedule = tuple(triples[min(k, len(triples) - 1)] for k in range(steps))
+    return schedule, safety  # type: ignore[return-value]
+
+
+def _check_float_matrices(X: Array, name: str, *, square: bool = False) -> Any:
+    xp = array_namespace(X)
+    if X.ndim < 2:
+        raise ValueError(f"{name} must have shape (..., m, n) with at least 2 dimensions, got shape {tuple(X.shape)}")
+    if square and X.shape[-1] != X.shape[-2]:
+        raise ValueError(f"{name} must be square in its last two dimensions, got shape {tuple(X.shape)}")
+    if not xp.isdtype(X.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype, got {X.dtype}")
+    return xp
+
+
+def polar(
+    X: Array,
+    *,
+    method: Literal["newton_schulz", "svd"] = "newton_schulz",
+    steps: int = 5,
+    coefficients: Coefficients = "muon",
+    eps: float = 1e-7,
+) -> Array:
+    """Orthogonal polar factor ``Polar(X) = U V^T`` of ``X = U S V^T``, batched.
+
+    Parameters
+    ----------
+    X:
+        Real floating array of shape ``(..., m, n)``.
+    method:
+        ``"svd"``: exact, from the thin SVD (``U @ Vh``); for rank-deficient
+        ``X`` the factor is not unique and the SVD's choice is returned.
+        ``"newton_schulz"``: matmul-only. ``X`` is divided by
+        ``max(safety * ||X||_F, eps)`` so every singular value lies in
+        ``[0, 1]``, transposed to its short side when ``m > n`` (the Gram
+        matrix is then ``min(m, n)`` square), and each step applies the odd
+        quintic ``X <- a X + b (X X^T) X + c (X X^T)^2 X`` to the singular
+        values.
+    steps:
+        Newton–Schulz steps (ignored by ``"svd"``).
+    coefficients:
+        ``"muon"``: Keller Jordan's (3.4445, -4.7750, 2.0315) at every step,
+        as in ``torch.optim.Muon``. It does not converge to ``U V^T``; it
+        maps singular values quickly into a band around 1. ``"polar_express"``:
+        the optimal schedule of Amsel et al. (2025), see
+        :data:`POLAR_EXPRESS_COEFFICIENTS`; it converges to ``U V^T``.
+        Or an explicit sequence of ``(a, b, c)`` triples (the last repeats).
+    eps:
+        Lower bound of the normaliser, so that ``X = 0`` maps to ``0``.
+
+    Accuracy
+    --------
+    For matrices whose normalised singular values ``s / ||X||_F`` lie in
+    ``[1e-3, 1]`` (condition number up to about ``1e3 / sqrt(rank)``), the
+    output's singular values land in the band below: the image of
+    ``[1e-3, 1]`` under the scalar iteration in exact arithmetic, checked on
+    matrices by ``tests/test_linalg.py::test_newton_schulz_band``.
+
+    ===================  =====  ==================
+    coefficients         steps  singular values
+    ===================  =====  ==================
+    ``"muon"``           5      [0.470, 1.203]
+    ``"muon"``           7      [0.681, 1.135]
+    ``"polar_express"``  5      [0.840, 1.124]
+    ``"polar_express"``  6      [0.993, 1.002]
+    ``"polar_express"``  8      [1 - 4e-15, 1 + 4e-16]
+    ===================  =====  ==================
+
+    Singular values below ``1e-3 ||X||_F`` come out smaller; ``"svd"`` is exact
+    to rounding.
+    """
+    xp = _check_float_matrices(X, "X")
+    if method == "svd":
+        U, _, Vh = xp.linalg.svd(X, full_matrices=False)
+        return U @ Vh
+    if method != "newton_schulz":
+        raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")
+    schedule, safety = newton_schulz_schedule(coefficients, steps)
+    transposed = X.shape[-2] > X.shape[-1]
+    Y = xp.matrix_transpose(X) if transposed else X
+    norm = xp.linalg.matrix_norm(Y, keepdims=True)
+    Y = Y / xp.clip(safety * norm, min=eps)
+    for a, b, c in schedule:
+        gram = Y @ xp.matrix_transpose(Y)
+        Y = a * Y + (b * gram + c * (gram @ gram)) @ Y
+    return xp.matrix_transpose(Y) if transposed else Y
+
+
+def inverse_sqrt(
+    A: Array,
+    *,
+    method: Literal["eigh", "newton_schulz"] = "eigh",
+    steps: int = 30,
+) -> Array:
+    """Inverse principal square root ``A^{-1/2}`` of symmetric positive definite ``A``.
+
+    Parameters
+    ----------
+    A:
+        Symmetric positive definite, shape ``(..., d, d)``, real floating.
+    method:
+        ``"eigh"``: exact, ``V diag(w^{-1/2}) V^T`` from ``A = V diag(w) V^T``.
+        ``"newton_schulz"``: matmul-only coupled Newton–Schulz iteration
+        (Higham, *Functions of Matrices*, 2008, eq. 6.35). With
+        ``c = ||A||_F`` (at least the largest eigenvalue, so the spectrum of
+        ``A / c`` lies in ``(0, 1]``), ``Y_0 = A / c``, ``Z_0 = I`` and
+        ``T_k = (3 I - Z_k Y_k) / 2``, ``Y_{k+1} = Y_k T_k``,
+        ``Z_{k+1} = T_k Z_k``; ``Z_k -> (A / c)^{-1/2}`` and the result is
+        ``Z / sqrt(c)``. Three matmuls per step.
+    steps:
+        Newton–Schulz steps (ignored by ``"eigh"``).
+
+    Accuracy of ``"newton_schulz"``
+    -------------------------------
+    An eigenvalue ``x = lambda / c`` evolves as ``x <- x (3 - x)^2 / 4``: a small
+    one grows by 9/4 per step until it nears 1, then converges quadratically.
+    In exact arithmetic the scalar reaches 1 to double precision after 11
+    steps for ``kappa' = ||A||_F / lambda_min = 1e2``, 17 for ``1e4``, 22 for
+    ``1e6`` and 28 for ``1e8`` (about ``log(kappa') / log(2.25) + 6``). The
+    default of 30 steps covers ``kappa'`` up to ``1e8``; surplus steps cost
+    time, not accuracy. Errors against ``"eigh"`` measured in floating point
+    are in ``docs/linalg.md`` and tested in ``tests/test_linalg.py``.
+    """
+    xp = _check_float_matrices(A, "A", square=True)
+    if method == "eigh":
+        w, V = xp.linalg.eigh(A)
+        return (V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V)
+    if method != "newton_schulz":
+        raise ValueError(f"unknown inverse_sqrt method {method!r}: use 'eigh' or 'newton_schulz'")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    d = A.shape[-1]
+    identity = xp.eye(d, dtype=A.dtype, device=device(A))
+    scale = xp.linalg.matrix_norm(A, keepdims=True)
+    Y = A / scale
+    Z = identity + xp.zeros_like(A)
+    for _ in range(steps):
+        T = (3 * identity - Z @ Y) / 2
+        Y = Y @ T
+        Z = T @ Z
+    return Z / xp.sqrt(scale)

@@ -1,0 +1,60 @@
+"""Shared fixtures: one ``target`` (backend, device, dtype) fixture over every backend.
+
+Targets come from :func:`fismo_core.testing.targets`, the same list ``fismo
+verify`` uses; a target whose library or device is missing is skipped with
+the reason (CuPy and torch CUDA skip here unless a CUDA device is present).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fismo_core.testing import Target, targets
+
+ALL_TARGETS = targets()
+
+
+def _pin_full_fp32_matmuls() -> None:
+    """Verification needs full float32 matmuls: TF32 off in torch, highest precision in JAX."""
+    try:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+    except ImportError:
+        pass
+    try:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+    except ImportError:
+        pass
+
+
+_pin_full_fp32_matmuls()
+
+
+def _params(selected: list[Target]) -> list:
+    return [
+        pytest.param(t, id=t.id, marks=[pytest.mark.skip(reason=t.reason)] if not t.available else [])
+        for t in selected
+    ]
+
+
+@pytest.fixture(params=_params(ALL_TARGETS))
+def target(request: pytest.FixtureRequest) -> Target:
+    """Every (backend, device, dtype); skipped with the reason where unavailable."""
+    return request.param
+
+
+@pytest.fixture(params=_params([t for t in ALL_TARGETS if t.dtype == "float64"]))
+def target64(request: pytest.FixtureRequest) -> Target:
+    """Every float64 (backend, device): for checks at float64 precision."""
+    return request.param
+
+
+@pytest.fixture
+def xp(target: Target):
+    """The array namespace of ``target``."""
+    return target.xp
