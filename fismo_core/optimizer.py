@@ -144,6 +144,10 @@ class FISMO:
     weight_decay:
         Decoupled weight decay ``lambda >= 0``: ``W <- (1 - eta lambda) W - eta dW``.
         Not in Algorithm 1; default 0.
+    nesterov:
+        Nesterov momentum, as ``torch.optim.Muon(nesterov=True)`` but in the
+        whitened space: line 8 orthogonalises ``beta M_t + (1 - beta) G~_t``
+        instead of ``M_t``. Not in Algorithm 1; default off.
 
     The choice of defaults is explained in ``docs/algorithm.md``.
     """
@@ -155,6 +159,7 @@ class FISMO:
     polar: Union[PolarConfig, str, dict] = field(default_factory=PolarConfig)
     inv_root: Union[InverseRootConfig, str, dict] = field(default_factory=InverseRootConfig)
     weight_decay: float = 0.0
+    nesterov: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -163,6 +168,8 @@ class FISMO:
         set_(self, "gamma", _check_real("gamma", self.gamma, 0.0, 1.0))
         set_(self, "mu", _check_real("mu", self.mu, 0.0))
         set_(self, "weight_decay", _check_real("weight_decay", self.weight_decay, 0.0))
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"nesterov must be True or False, got {self.nesterov!r}")
         set_(self, "polar", _as_config(self.polar, PolarConfig, "polar"))
         set_(self, "inv_root", _as_config(self.inv_root, InverseRootConfig, "inv_root"))
 
@@ -219,7 +226,8 @@ class FISMO:
         # Line 7: M_t = beta M_{t-1} + (1 - beta) G~_t.
         M = self.beta * state.M + (1 - self.beta) * G_white
         # Line 8: dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2}.
-        direction = linalg.whiten(self.polar(M), P_is, Q_is)
+        momentum = self.beta * M + (1 - self.beta) * G_white if self.nesterov else M
+        direction = linalg.whiten(self.polar(momentum), P_is, Q_is)
         new_state = FISMOState(P=P, Q=Q, M=M, P_inv_sqrt=P_is, Q_inv_sqrt=Q_is, step=state.step + 1)
         return direction, new_state
 
