@@ -84,18 +84,16 @@ class Target:
 def to_numpy(x: Any) -> Any:
     """Any supported backend's array as a NumPy float64 array (copying from a device if needed)."""
     import numpy as np
-    from array_api_compat import device, is_array_api_strict_namespace, array_namespace, to_device
 
-    xp = array_namespace(x)
-    if is_array_api_strict_namespace(xp):
-        x = to_device(x, xp.Device("CPU_DEVICE")) if str(device(x)) != "CPU_DEVICE" else x
-        return np.asarray(x.__array__() if hasattr(x, "__array__") else np.from_dlpack(x), dtype=np.float64)
-    mod = type(x).__module__.split(".")[0]
-    if mod == "cupy":
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
         return np.asarray(x.get(), dtype=np.float64)
-    if mod == "torch":
-        return x.detach().cpu().to(dtype=__import__("torch").float64).numpy()
-    return np.asarray(x, dtype=np.float64)
+    if module == "torch":
+        import torch
+
+        return x.detach().to(device="cpu", dtype=torch.float64).numpy()
+    # NumPy, JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack.
+    return np.asarray(np.from_dlpack(x), dtype=np.float64)
 
 
 def _import(name: str) -> Any:
