@@ -27,8 +27,12 @@ __all__ = ["FISMO", "FISMOState", "InverseRootConfig", "PolarConfig"]
 class PolarConfig:
     """How ``Polar(M_t)`` (Algorithm 1 line 8) is computed: see :func:`fismo_core.linalg.polar`.
 
-    The default (Newton–Schulz, 5 steps, Muon's quintic) is exactly what
-    ``torch.optim.Muon`` uses, so FISMO with ``gamma = 1`` is Muon.
+    The default (Newton–Schulz, 5 steps, Muon's quintic, Frobenius
+    normalisation) is the iteration of ``torch.optim.Muon``, so FISMO with
+    ``gamma = 1`` is Muon with EMA momentum, with two differences from torch's
+    class: torch runs the iteration in bfloat16 (here it runs in the state's
+    dtype), and torch multiplies the learning rate by ``sqrt(max(1, m/n))``
+    even when ``adjust_lr_fn=None``.
     """
 
     method: Literal["newton_schulz", "svd"] = "newton_schulz"
