@@ -5,10 +5,10 @@ Zhang, "FISMO: Fisher-Structured Momentum-Orthogonalized Optimizer". This
 package implements it once, against the Python array API standard, so it runs
 unchanged on NumPy, CuPy, PyTorch, JAX and array-api-strict.
 
-- :class:`FISMO`, :class:`FISMOState`: the optimizer as pure functions.
-- :mod:`fismo_core.linalg`: the matrix functions (polar factor, inverse square
+- `FISMO`, `FISMOState`: the optimizer as pure functions.
+- `fismo_core.linalg`: the matrix functions (polar factor, inverse square
   root, trace normalisation), each with an exact and a matmul-only method.
-- :mod:`fismo_core.backends`: adapters to frameworks' own protocols.
+- `fismo_core.backends`: adapters to frameworks' own protocols.
 """
 
 from . import linalg

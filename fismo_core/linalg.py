@@ -181,9 +181,11 @@ def polar(
     --------
     For matrices whose normalised singular values ``s / ||X||_F`` lie in
     ``[1e-3, 1]`` (condition number up to about ``1e3 / sqrt(rank)``), the
-    output's singular values land in the band below: the image of
-    ``[1e-3, 1]`` under the scalar iteration in exact arithmetic, checked on
-    matrices by ``tests/test_linalg.py::test_newton_schulz_band``.
+    output's singular values land in the band below: the image under the
+    scalar iteration, in exact arithmetic, of the values it actually sees,
+    ``[1e-3, 1] / safety`` (``safety`` is 1.01 for ``"polar_express"``, 1 for
+    ``"muon"``), rounded outward to 3 decimals. Checked on matrices by
+    ``tests/test_linalg.py::test_newton_schulz_band``.
 
     ===================  =====  ==================
     coefficients         steps  singular values

@@ -25,7 +25,7 @@ __all__ = ["FISMO", "FISMOState", "InverseRootConfig", "PolarConfig"]
 
 @dataclass(frozen=True)
 class PolarConfig:
-    """How ``Polar(M_t)`` (Algorithm 1 line 8) is computed: see :func:`fismo_core.linalg.polar`.
+    """How ``Polar(M_t)`` (Algorithm 1 line 8) is computed: see [`polar`][fismo_core.linalg.polar].
 
     The default (Newton–Schulz, 5 steps, Muon's quintic, Frobenius
     normalisation) is the iteration of ``torch.optim.Muon``, so FISMO with
@@ -55,7 +55,7 @@ class PolarConfig:
 
 @dataclass(frozen=True)
 class InverseRootConfig:
-    """How ``P_t^{-1/2}`` and ``Q_t^{-1/2}`` are computed: see :func:`fismo_core.linalg.inverse_sqrt`.
+    """How ``P_t^{-1/2}`` and ``Q_t^{-1/2}`` are computed: see [`inverse_sqrt`][fismo_core.linalg.inverse_sqrt].
 
     The default is the exact ``eigh`` method: the reference implementation
     computes Algorithm 1 to rounding error. ``"newton_schulz"`` is matmul-only.
@@ -124,8 +124,11 @@ def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, lo
 class FISMO:
     """FISMO (Algorithm 1) for matrix parameters, as pure functions of arrays.
 
-    Parameters (the paper's symbols)
-    --------------------------------
+    Hyperparameters carry the paper's symbols; the choice of defaults is
+    explained on the documentation page "Algorithm 1, line by line".
+
+    Parameters
+    ----------
     lr:
         Learning rate ``eta`` (> 0). Default 0.02, Muon's reference value.
     beta:
@@ -139,11 +142,11 @@ class FISMO:
         ``mu tr(P_{t-1})/m I`` and ``mu tr(Q_{t-1})/n I``, a floor under the
         preconditioners' eigenvalues. Default 1e-3.
     polar:
-        How ``Polar(M_t)`` is computed: a :class:`PolarConfig`, a method name
+        How ``Polar(M_t)`` is computed: a [`PolarConfig`][fismo_core.PolarConfig], a method name
         (``"newton_schulz"``, ``"svd"``) or a dict of its fields.
     inv_root:
         How ``P_t^{-1/2}``, ``Q_t^{-1/2}`` are computed: an
-        :class:`InverseRootConfig`, a method name (``"eigh"``,
+        [`InverseRootConfig`][fismo_core.InverseRootConfig], a method name (``"eigh"``,
         ``"newton_schulz"``) or a dict of its fields.
     weight_decay:
         Decoupled weight decay ``lambda >= 0``: ``W <- (1 - eta lambda) W - eta dW``.
@@ -152,8 +155,6 @@ class FISMO:
         Nesterov momentum, as ``torch.optim.Muon(nesterov=True)`` but in the
         whitened space: line 8 orthogonalises ``beta M_t + (1 - beta) G~_t``
         instead of ``M_t``. Not in Algorithm 1; default off.
-
-    The choice of defaults is explained in ``docs/algorithm.md``.
     """
 
     lr: float = 0.02
@@ -199,7 +200,7 @@ class FISMO:
         """Lines 4–8: the update direction ``dW_t`` and the new state, from gradient ``G_t``.
 
         ``dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2}``; the parameters move by
-        ``-lr * dW_t`` (line 9, :meth:`step`). ``dW_t`` has the state's dtype.
+        ``-lr * dW_t`` (line 9, [`step`][fismo_core.FISMO.step]). ``dW_t`` has the state's dtype.
         Preconditioners are updated Gauss–Seidel: ``P_t`` from ``Q_{t-1}``,
         then ``Q_t`` from the new ``P_t``.
         """

@@ -4,7 +4,7 @@ Used by the test suite's ``xp`` fixture and by ``fismo verify``, so both see
 the same backends, devices and dtypes. NumPy is imported lazily: it is the
 reference backend, needed to check, not to run the optimizer.
 
-A :class:`Target` is one (backend, device, dtype) combination. :func:`targets`
+A `Target` is one (backend, device, dtype) combination. `targets()`
 lists every combination this package knows, each either available or with
 the reason it is not (library missing, no CUDA device, ...).
 """
@@ -23,26 +23,27 @@ __all__ = [
     "VERIFY_SHAPES",
     "Target",
     "max_relative_error",
+    "pin_full_float32_matmuls",
     "reference_gradients",
     "run_trajectory",
     "targets",
     "to_numpy",
 ]
 
-#: Relative tolerance of a backend against the NumPy float64 reference, per
-#: dtype, on the verification trajectory (:data:`VERIFY_SHAPES`, 50 steps,
-#: default hyperparameters; condition numbers of P and Q reach about 200).
-#: float64: measured worst case 1.8e-14 on torch and JAX (NumPy and
-#: array-api-strict share LAPACK and agree exactly); 1e-10 is the issue's bar
-#: and leaves four orders of headroom. float32: measured worst case 8.9e-6 on
-#: every backend (float32 rounding, 6e-8, amplified by eigh and Newton–Schulz
-#: along 50 steps); 1e-4 leaves a factor of 11 for other BLAS/LAPACK builds
-#: and GPUs while any formula error, which shows up at order 1e-1 or more,
-#: still fails. Measured with ``fismo verify``; see ``docs/verification.md``.
 TOLERANCES: dict[str, float] = {"float64": 1e-10, "float32": 1e-4}
+"""Relative tolerance of a backend against the NumPy float64 reference, per
+dtype, on the verification trajectory (`VERIFY_SHAPES`, 50 steps,
+default hyperparameters; condition numbers of P and Q reach about 200).
+float64: measured worst case 1.8e-14 on torch and JAX (NumPy and
+array-api-strict share LAPACK and agree exactly); 1e-10 is the issue's bar
+and leaves four orders of headroom. float32: measured worst case 8.9e-6 on
+every backend (float32 rounding, 6e-8, amplified by eigh and Newton–Schulz
+along 50 steps); 1e-4 leaves a factor of 11 for other BLAS/LAPACK builds
+and GPUs while any formula error, which shows up at order 1e-1 or more,
+still fails. Measured with ``fismo verify``; see ``docs/verification.md``."""
 
-#: Shapes of the verification trajectory: square, wide, tall and a batch.
 VERIFY_SHAPES: tuple[tuple[int, ...], ...] = ((16, 16), (8, 24), (24, 8), (3, 8, 12))
+"""Shapes of the verification trajectory: square, wide, tall and a batch."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,30 @@ def to_numpy(x: Any) -> Any:
         return x.detach().to(device="cpu", dtype=torch.float64).numpy()
     # NumPy, JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack.
     return np.asarray(np.from_dlpack(x), dtype=np.float64)
+
+
+def pin_full_float32_matmuls() -> None:
+    """Make float32 matmuls full float32 in every installed library: TF32 off, highest precision.
+
+    Verification compares float32 against a tolerance measured with full
+    float32 products; TF32 (10-bit mantissa, on by default for some GPU
+    settings) would fail it without any bug. Called by ``fismo verify`` and
+    the test suite; it changes process-wide settings of torch and JAX.
+    """
+    try:
+        torch = _import("torch")
+    except ImportError:
+        pass
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+    try:
+        jax = _import("jax")
+    except ImportError:
+        pass
+    else:
+        jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _import(name: str) -> Any:
@@ -162,9 +187,11 @@ def _jax_targets() -> Iterator[Target]:
         return
     # float64 needs x64 mode; it is a process-wide switch of JAX's.
     jax.config.update("jax_enable_x64", True)
+    # Arrays go to JAX's default device: label the target with its platform ("cpu", "gpu", ...).
+    platform = jax.default_backend()
     for dtype in ("float64", "float32"):
         yield Target(
-            "jax", "cpu", dtype,
+            "jax", platform, dtype,
             _namespace=lambda: jnp,
             _asarray=lambda a, d: jnp.asarray(a, dtype=getattr(jnp, d)),
         )

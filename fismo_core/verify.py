@@ -1,6 +1,6 @@
 """``fismo verify``: FISMO on every installed backend, device and dtype, against NumPy float64.
 
-For each shape of :data:`~fismo_core.testing.VERIFY_SHAPES` a seeded 50-step
+For each shape of `fismo_core.testing.VERIFY_SHAPES` a seeded 50-step
 trajectory runs on the reference (NumPy, float64) and on every available
 target. The error of a target is the worst, over steps and shapes, of the
 relative Frobenius errors of ``W_t - W_0``, ``P_t``, ``Q_t`` and ``M_t``.
@@ -17,6 +17,7 @@ from .testing import (
     VERIFY_SHAPES,
     Target,
     max_relative_error,
+    pin_full_float32_matmuls,
     reference_gradients,
     run_trajectory,
     targets,
@@ -66,6 +67,7 @@ def verify(*, steps: int = 50, seed: int = 0, optimizer: Optional[FISMO] = None)
     except ImportError as exc:
         raise RuntimeError("fismo verify needs NumPy, the reference backend: pip install 'fismo[numpy]'") from exc
     optimizer = optimizer or FISMO()
+    pin_full_float32_matmuls()
     results = []
     for target in targets():
         error = _trajectory_errors(optimizer, target, steps, seed) if target.available else None

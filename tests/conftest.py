@@ -9,30 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from fismo_core.testing import Target, targets
+from fismo_core.testing import Target, pin_full_float32_matmuls, targets
 
 ALL_TARGETS = targets()
 
 
-def _pin_full_fp32_matmuls() -> None:
-    """Verification needs full float32 matmuls: TF32 off in torch, highest precision in JAX."""
-    try:
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-    except ImportError:
-        pass
-    try:
-        import jax
-
-        jax.config.update("jax_default_matmul_precision", "highest")
-    except ImportError:
-        pass
-
-
-_pin_full_fp32_matmuls()
+pin_full_float32_matmuls()
 
 
 def _params(selected: list[Target]) -> list:
