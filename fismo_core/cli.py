@@ -22,10 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "verify":
         if args.steps < 1:
-            raise SystemExit("fismo verify: --steps must be a positive integer")
+            parser.error("verify: --steps must be a positive integer")
         from .verify import main as verify_main
 
         return verify_main(steps=args.steps, seed=args.seed)

@@ -12,6 +12,7 @@ Line numbers below are those of Algorithm 1 in ``fismo-paper.tex``.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Union
 
@@ -46,8 +47,7 @@ class PolarConfig:
         linalg.newton_schulz_schedule(self.coefficients, self.steps)  # validates both
         if not (isinstance(self.coefficients, str)):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
-        if not (self.eps > 0 and math.isfinite(self.eps)):
-            raise ValueError(f"polar eps must be a positive finite number, got {self.eps!r}")
+        object.__setattr__(self, "eps", _check_real("polar eps", self.eps, 0.0, low_open=True))
 
     def __call__(self, X: Array) -> Array:
         return linalg.polar(X, method=self.method, steps=self.steps, coefficients=self.coefficients, eps=self.eps)
@@ -89,7 +89,8 @@ class FISMOState(NamedTuple):
         ``Q_t^{-1}`` in ``L_{t+1}``; it uses ``(G Q_t^{-1/2})(G Q_t^{-1/2})^T``
         so no inverse is ever formed.
     step:
-        Number of steps taken, ``t``.
+        Number of steps taken, ``t`` (an int; a 0-d integer array once the
+        step has been traced, e.g. under ``jax.jit``).
     """
 
     P: Array
@@ -111,7 +112,7 @@ def _as_config(value: Any, config_type: type, name: str) -> Any:
 
 
 def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite real number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
@@ -205,6 +206,7 @@ class FISMO:
         then ``Q_t`` from the new ``P_t``.
         """
         xp = _check_call(G, state)
+        _check_finite(xp, G)
         G = xp.astype(G, state.M.dtype, copy=False)
         m, n = G.shape[-2], G.shape[-1]
         P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
@@ -243,9 +245,16 @@ class FISMO:
         Returns the new parameters (``W``'s dtype) and the new state.
         """
         xp = _check_matrix(W, "W")
+        _check_matrix(G, "G")
         if tuple(W.shape) != tuple(G.shape):
             raise ValueError(f"W and G must have the same shape, got W {tuple(W.shape)} and G {tuple(G.shape)}")
         _check_same_namespace_and_device(W, G)
+        _check_call(G, state)
+        if state.M.dtype != _state_dtype(xp, W.dtype):
+            raise TypeError(
+                f"state dtype {state.M.dtype} does not match W of dtype {W.dtype}: FISMO.init(W) "
+                f"would give {_state_dtype(xp, W.dtype)} (was the state built for another parameter?)"
+            )
         direction, new_state = self.direction(G, state)
         W_decayed = W * (1 - self.lr * self.weight_decay) if self.weight_decay else W
         return W_decayed - self.lr * xp.astype(direction, W.dtype, copy=False), new_state
@@ -281,6 +290,25 @@ def _check_same_namespace_and_device(*arrays: Array) -> Any:
     if len(devices) > 1:
         raise ValueError(f"all arrays of one call must live on one device, got {sorted(devices)}")
     return xp
+
+
+def _check_finite(xp: Any, G: Array) -> None:
+    """Raise before any state changes if ``G`` has a NaN or an infinity.
+
+    This reads one boolean back from the device (one synchronisation per
+    step). Inside a traced function (``jax.jit``) no value can be read; the
+    check is then left out, and non-finite values propagate.
+    """
+    all_finite = xp.all(xp.isfinite(G))
+    try:
+        ok = bool(all_finite)
+    except TypeError:  # a traced value (jax.errors.ConcretizationTypeError is a TypeError)
+        return
+    if not ok:
+        raise ValueError(
+            "G contains NaN or infinite values; the step was not taken and the state is unchanged "
+            "(check the loss and the gradient computation)"
+        )
 
 
 def _check_call(G: Array, state: FISMOState) -> Any:

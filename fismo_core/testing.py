@@ -93,7 +93,13 @@ def to_numpy(x: Any) -> Any:
         import torch
 
         return x.detach().to(device="cpu", dtype=torch.float64).numpy()
-    # NumPy, JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack.
+    # NumPy, JAX (CPU) and array-api-strict (any of its virtual devices) export through
+    # DLPack, which knows no bfloat16: widen narrow floats first.
+    from array_api_compat import array_namespace
+
+    xp = array_namespace(x)
+    if x.dtype not in (xp.float32, xp.float64):
+        x = xp.astype(x, xp.float32)
     return np.asarray(np.from_dlpack(x), dtype=np.float64)
 
 

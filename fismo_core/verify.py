@@ -3,11 +3,13 @@
 For each shape of `fismo_core.testing.VERIFY_SHAPES` a seeded 50-step
 trajectory runs on the reference (NumPy, float64) and on every available
 target. The error of a target is the worst, over steps and shapes, of the
-relative Frobenius errors of ``W_t - W_0``, ``P_t``, ``Q_t`` and ``M_t``.
+relative Frobenius errors of ``W_t - W_0``, ``P_t``, ``Q_t``, ``M_t`` and the
+cached roots ``P_t^{-1/2}``, ``Q_t^{-1/2}``. A target that raises is a failure.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
@@ -34,6 +36,7 @@ class VerifyResult:
     target: Target
     steps: int
     error: Optional[float]
+    exception: Optional[str] = None
 
     @property
     def passed(self) -> Optional[bool]:
@@ -56,6 +59,8 @@ def _trajectory_errors(optimizer: FISMO, target: Target, steps: int, seed: int) 
                 max_relative_error(s.P, s_ref.P),
                 max_relative_error(s.Q, s_ref.Q),
                 max_relative_error(s.M, s_ref.M),
+                max_relative_error(s.P_inv_sqrt, s_ref.P_inv_sqrt),
+                max_relative_error(s.Q_inv_sqrt, s_ref.Q_inv_sqrt),
             )
     return worst
 
@@ -66,12 +71,21 @@ def verify(*, steps: int = 50, seed: int = 0, optimizer: Optional[FISMO] = None)
         import numpy  # noqa: F401
     except ImportError as exc:
         raise RuntimeError("fismo verify needs NumPy, the reference backend: pip install 'fismo[numpy]'") from exc
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
     optimizer = optimizer or FISMO()
     pin_full_float32_matmuls()
     results = []
     for target in targets():
-        error = _trajectory_errors(optimizer, target, steps, seed) if target.available else None
-        results.append(VerifyResult(target, steps, error))
+        if not target.available:
+            results.append(VerifyResult(target, steps, None))
+            continue
+        try:
+            error = _trajectory_errors(optimizer, target, steps, seed)
+        except Exception as exc:  # a backend that crashes is a failure of that row, not of the run
+            results.append(VerifyResult(target, steps, math.inf, f"{type(exc).__name__}: {exc}"))
+        else:
+            results.append(VerifyResult(target, steps, error))
     return results
 
 
@@ -84,7 +98,8 @@ def format_table(results: list[VerifyResult]) -> str:
         if r.error is None:
             rows.append((t.backend, t.device, t.dtype, "-", "-", f"{t.tolerance:.0e}", f"skipped: {t.reason}"))
         else:
-            rows.append((t.backend, t.device, t.dtype, str(r.steps), f"{r.error:.2e}", f"{t.tolerance:.0e}", "pass" if r.passed else "FAIL"))
+            verdict = "pass" if r.passed else ("FAIL" if r.exception is None else f"FAIL ({r.exception})")
+            rows.append((t.backend, t.device, t.dtype, str(r.steps), f"{r.error:.2e}", f"{t.tolerance:.0e}", verdict))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     lines = []
     for row in [header, *rows]:
@@ -94,8 +109,9 @@ def format_table(results: list[VerifyResult]) -> str:
     return "\n".join(lines)
 
 
-def main(*, steps: int = 50, seed: int = 0, out: TextIO = sys.stdout) -> int:
-    """Print the verification table; return 0 if every available target passed, 1 otherwise."""
+def main(*, steps: int = 50, seed: int = 0, out: Optional[TextIO] = None) -> int:
+    """Print the verification table to ``out`` (standard output); return 0 if every available target passed, 1 otherwise."""
+    out = sys.stdout if out is None else out
     results = verify(steps=steps, seed=seed)
     print(f"FISMO verification: {steps}-step seeded trajectories on shapes "
           f"{', '.join('x'.join(map(str, s)) for s in VERIFY_SHAPES)}, against NumPy float64\n", file=out)

@@ -1,0 +1,342 @@
+"""Errors speak the user's language, and come before any state changes.
+
+Every misuse raises a clear exception naming the parameter and the problem
+(checked with ``match=``), and the state passed in is untouched afterwards.
+NumPy inputs are made read-only where possible, so an in-place write before
+the check would surface as a different error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from fismo_core import FISMO, FISMOState, InverseRootConfig, PolarConfig
+
+SHAPE = (6, 9)
+FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.array(a)
+    a.flags.writeable = False
+    return a
+
+
+def _numpy_setup(shape: tuple[int, ...] = SHAPE) -> tuple[FISMO, np.ndarray, np.ndarray, FISMOState]:
+    """An optimizer, W, G and a state one step away from the identity; all arrays read-only."""
+    rng = np.random.default_rng(0)
+    opt = FISMO()
+    W, G = rng.standard_normal(shape), rng.standard_normal(shape)
+    W, state = opt.step(W, G, opt.init(W))
+    state = FISMOState(*(_frozen(getattr(state, f)) for f in FIELDS), step=state.step)
+    return opt, _frozen(W), _frozen(rng.standard_normal(shape)), state
+
+
+def _snapshot(state: FISMOState) -> dict[str, Any]:
+    from fismo_core.testing import to_numpy
+
+    return {**{f: to_numpy(getattr(state, f)).copy() for f in FIELDS}, "step": state.step}
+
+
+def _assert_untouched(state: FISMOState, snapshot: dict[str, Any]) -> None:
+    from fismo_core.testing import to_numpy
+
+    assert state.step == snapshot["step"]
+    for f in FIELDS:
+        assert np.array_equal(to_numpy(getattr(state, f)), snapshot[f]), f
+
+
+def _raises_and_untouched(call: Callable[[], Any], state: FISMOState, exc: type, match: str) -> None:
+    snapshot = _snapshot(state)
+    with pytest.raises(exc, match=match):
+        call()
+    _assert_untouched(state, snapshot)
+
+
+# ------------------------------------------------------------------ dtypes
+BAD_DTYPES = ["int32", "int64", "uint8", "bool", "complex64", "complex128"]
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES)
+def test_init_rejects_non_real_floating_W(dtype: str) -> None:
+    W = np.ones(SHAPE, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"W must have a real floating dtype, got {dtype}"):
+        FISMO().init(W)
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES)
+def test_step_rejects_non_real_floating_W(dtype: str) -> None:
+    opt, W, G, state = _numpy_setup()
+    bad = np.ones(SHAPE, dtype=dtype)
+    _raises_and_untouched(lambda: opt.step(bad, G, state), state, TypeError, rf"W must have a real floating dtype, got {dtype}")
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES)
+def test_step_rejects_non_real_floating_G(dtype: str) -> None:
+    opt, W, G, state = _numpy_setup()
+    bad = np.ones(SHAPE, dtype=dtype)
+    _raises_and_untouched(lambda: opt.step(W, bad, state), state, TypeError, rf"G must have a real floating dtype, got {dtype}")
+    _raises_and_untouched(lambda: opt.direction(bad, state), state, TypeError, rf"G must have a real floating dtype, got {dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["int64", "bool", "complex64"])
+@pytest.mark.parametrize("which", ["W", "G"])
+def test_torch_rejects_non_real_floating(which: str, dtype: str) -> None:
+    torch = pytest.importorskip("torch")
+    opt = FISMO()
+    W = torch.ones(SHAPE, dtype=torch.float32)
+    state = opt.init(W)
+    bad = torch.ones(SHAPE, dtype=getattr(torch, dtype))
+    args = (bad, W) if which == "W" else (W, bad)
+    _raises_and_untouched(lambda: opt.step(*args, state), state, TypeError, rf"{which} must have a real floating dtype")
+
+
+# ------------------------------------------------------------------ shapes
+@pytest.mark.parametrize("shape", [(9,), ()], ids=["vector", "scalar"])
+def test_vectors_and_scalars_point_to_adamw(shape: tuple[int, ...]) -> None:
+    W = np.ones(shape)
+    with pytest.raises(ValueError, match=r"W must be a matrix or a stack of matrices.*AdamW"):
+        FISMO().init(W)
+    opt, _, _, state = _numpy_setup()
+    _raises_and_untouched(lambda: opt.step(W, W, state), state, ValueError, r"W must be a matrix.*AdamW")
+    _raises_and_untouched(lambda: opt.direction(W, state), state, ValueError, r"G must be a matrix.*AdamW")
+
+
+@pytest.mark.parametrize("g_shape", [(9, 6), (6, 8), (2, 6, 9)], ids=["transposed", "narrower", "batched"])
+def test_W_and_G_shapes_must_match(g_shape: tuple[int, ...]) -> None:
+    opt, W, _, state = _numpy_setup()
+    G = np.ones(g_shape)
+    _raises_and_untouched(
+        lambda: opt.step(W, G, state), state, ValueError,
+        rf"W and G must have the same shape, got W \(6, 9\) and G {re.escape(str(g_shape))}",
+    )
+
+
+@pytest.mark.parametrize(
+    "other_shape", [(9, 6), (6, 8), (7, 9), (2, 6, 9)], ids=["transposed", "other n", "other m", "batched"]
+)
+def test_state_for_another_shape_is_rejected(other_shape: tuple[int, ...]) -> None:
+    opt, _, _, state = _numpy_setup()  # a state for (6, 9)
+    W, G = np.ones(other_shape), np.ones(other_shape)
+    match = r"state does not match the gradient: G has shape .*was the state built for another parameter\?"
+    _raises_and_untouched(lambda: opt.step(W, G, state), state, ValueError, match)
+    _raises_and_untouched(lambda: opt.direction(G, state), state, ValueError, match)
+
+
+def test_state_must_be_a_fismo_state() -> None:
+    opt, W, G, state = _numpy_setup()
+    with pytest.raises(TypeError, match=r"state must be a FISMOState from FISMO.init, got tuple"):
+        opt.step(W, G, tuple(state))
+    with pytest.raises(TypeError, match=r"state must be a FISMOState.*got dict"):
+        opt.step(W, G, state._asdict())
+
+
+def test_non_array_W_is_rejected() -> None:
+    opt, W, G, state = _numpy_setup()
+    _raises_and_untouched(lambda: opt.step(W.tolist(), G, state), state, TypeError, r"W must be an array of an array-API-compatible library, got list")
+    with pytest.raises(TypeError, match=r"W must be an array.*got list"):
+        opt.init(W.tolist())
+
+
+@pytest.mark.parametrize("G", [[[1.0] * 9] * 6, 1.0, None], ids=["list", "float", "None"])
+def test_non_array_G_is_rejected(G: Any) -> None:
+    """G is checked to be an array before its shape is read (regression: it gave AttributeError)."""
+    opt, W, _, state = _numpy_setup()
+    _raises_and_untouched(lambda: opt.step(W, G, state), state, TypeError, r"G must be an array of an array-API-compatible library")
+
+
+# ---------------------------------------------------- namespaces, devices
+def test_two_namespaces_in_one_call() -> None:
+    torch = pytest.importorskip("torch")
+    opt, W, G, state = _numpy_setup()
+    match = r"all arrays of one call must come from one array library"
+    # numpy W with torch G, torch W with numpy G, torch W and G with a NumPy state
+    _raises_and_untouched(lambda: opt.step(W, torch.asarray(np.array(G)), state), state, TypeError, match)
+    _raises_and_untouched(lambda: opt.step(torch.asarray(np.array(W)), G, state), state, TypeError, match)
+    _raises_and_untouched(
+        lambda: opt.step(torch.asarray(np.array(W)), torch.asarray(np.array(G)), state), state, TypeError, match
+    )
+    _raises_and_untouched(lambda: opt.direction(torch.asarray(np.array(G)), state), state, TypeError, match)
+
+
+def test_two_devices_in_one_call() -> None:
+    xs = pytest.importorskip("array_api_strict")
+    cpu, dev1 = xs.Device("CPU_DEVICE"), xs.Device("device1")
+    rng = np.random.default_rng(1)
+    opt = FISMO()
+    W_np, G_np = rng.standard_normal(SHAPE), rng.standard_normal(SHAPE)
+    W_cpu, G_cpu = xs.asarray(W_np, device=cpu), xs.asarray(G_np, device=cpu)
+    W_dev, G_dev = xs.asarray(W_np, device=dev1), xs.asarray(G_np, device=dev1)
+    state = opt.init(W_cpu)
+    match = r"all arrays of one call must live on one device, got .*CPU_DEVICE.*device1"
+    _raises_and_untouched(lambda: opt.step(W_cpu, G_dev, state), state, ValueError, match)
+    _raises_and_untouched(lambda: opt.step(W_dev, G_cpu, state), state, ValueError, match)
+    # W and G agree, but the state lives elsewhere
+    _raises_and_untouched(lambda: opt.step(W_dev, G_dev, state), state, ValueError, match)
+    _raises_and_untouched(lambda: opt.direction(G_dev, state), state, ValueError, match)
+
+
+# ---------------------------------------------------------- non-finite input
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_gradient_is_rejected(value: float) -> None:
+    """A NaN or infinity in G raises before any state changes (DESIGN.md: errors speak the user's language)."""
+    opt, W, G, state = _numpy_setup()
+    G = np.array(G)
+    G[2, 3] = value
+    _raises_and_untouched(lambda: opt.step(W, G, state), state, ValueError, r"G .*(finite|NaN|nan|inf)")
+
+
+# -------------------------------------------------------- hyperparameters
+HYPERPARAMETER_ERRORS = [
+    # lr > 0
+    ({"lr": 0.0}, ValueError, r"lr must lie in \(0\.0, inf\), got 0\.0"),
+    ({"lr": -0.01}, ValueError, r"lr must lie in \(0\.0, inf\)"),
+    ({"lr": math.nan}, ValueError, r"lr must be a finite real number, got nan"),
+    ({"lr": math.inf}, ValueError, r"lr must be a finite real number, got inf"),
+    ({"lr": True}, ValueError, r"lr must be a finite real number, got True"),
+    ({"lr": "0.02"}, ValueError, r"lr must be a finite real number, got '0\.02'"),
+    ({"lr": None}, ValueError, r"lr must be a finite real number, got None"),
+    # beta, gamma in [0, 1]
+    ({"beta": -0.1}, ValueError, r"beta must lie in \[0\.0, 1\.0\], got -0\.1"),
+    ({"beta": 1.5}, ValueError, r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
+    ({"beta": math.nan}, ValueError, r"beta must be a finite real number"),
+    ({"beta": False}, ValueError, r"beta must be a finite real number, got False"),
+    ({"gamma": -1e-9}, ValueError, r"gamma must lie in \[0\.0, 1\.0\]"),
+    ({"gamma": 1.01}, ValueError, r"gamma must lie in \[0\.0, 1\.0\]"),
+    ({"gamma": -math.inf}, ValueError, r"gamma must be a finite real number"),
+    ({"gamma": True}, ValueError, r"gamma must be a finite real number, got True"),
+    # mu >= 0, weight_decay >= 0
+    ({"mu": -1e-3}, ValueError, r"mu must lie in \[0\.0, inf\), got -0\.001"),
+    ({"mu": math.inf}, ValueError, r"mu must be a finite real number, got inf"),
+    ({"mu": True}, ValueError, r"mu must be a finite real number, got True"),
+    ({"weight_decay": -0.1}, ValueError, r"weight_decay must lie in \[0\.0, inf\)"),
+    ({"weight_decay": math.nan}, ValueError, r"weight_decay must be a finite real number"),
+    ({"weight_decay": True}, ValueError, r"weight_decay must be a finite real number, got True"),
+    # nesterov is a bool
+    ({"nesterov": 1}, TypeError, r"nesterov must be True or False, got 1"),
+    ({"nesterov": "yes"}, TypeError, r"nesterov must be True or False, got 'yes'"),
+    ({"nesterov": None}, TypeError, r"nesterov must be True or False, got None"),
+    # polar: steps, method, coefficients, eps; as a dict and as a string
+    ({"polar": {"steps": 0}}, ValueError, r"steps must be a positive integer, got 0"),
+    ({"polar": {"steps": -2}}, ValueError, r"steps must be a positive integer, got -2"),
+    ({"polar": {"steps": True}}, ValueError, r"steps must be a positive integer, got True"),
+    ({"polar": {"steps": 5.0}}, ValueError, r"steps must be a positive integer, got 5\.0"),
+    ({"polar": {"method": "svd", "steps": 0}}, ValueError, r"steps must be a positive integer"),
+    ({"polar": "qr"}, ValueError, r"unknown polar method 'qr': use 'newton_schulz' or 'svd'"),
+    ({"polar": "muon"}, ValueError, r"unknown polar method 'muon'"),  # a coefficient name is not a method
+    ({"polar": {"method": "qr"}}, ValueError, r"unknown polar method 'qr'"),
+    ({"polar": {"coefficients": "adam"}}, ValueError, r"unknown Newton–Schulz coefficients 'adam'"),
+    ({"polar": {"coefficients": "Muon"}}, ValueError, r"unknown Newton–Schulz coefficients 'Muon'"),
+    ({"polar": {"coefficients": [(3.0, -4.0)]}}, ValueError, r"sequence of \(a, b, c\) triples"),
+    ({"polar": {"coefficients": []}}, ValueError, r"sequence of \(a, b, c\) triples"),
+    ({"polar": {"coefficients": [(math.nan, 0.0, 0.0)]}}, ValueError, r"coefficients must be finite"),
+    ({"polar": {"eps": 0.0}}, ValueError, r"polar eps must lie in \(0\.0, inf\), got 0\.0"),
+    ({"polar": {"eps": math.inf}}, ValueError, r"polar eps must be a finite real number, got inf"),
+    ({"polar": {"stepz": 5}}, TypeError, r"unexpected keyword argument 'stepz'"),
+    ({"polar": 5}, TypeError, r"polar must be a PolarConfig, a method name or a dict of its fields, got 5"),
+    ({"polar": None}, TypeError, r"polar must be a PolarConfig.*got None"),
+    ({"polar": InverseRootConfig()}, TypeError, r"polar must be a PolarConfig"),
+    # inv_root: steps, method; as a dict and as a string
+    ({"inv_root": {"steps": 0}}, ValueError, r"inverse-root steps must be a positive integer, got 0"),
+    ({"inv_root": {"steps": -1}}, ValueError, r"inverse-root steps must be a positive integer"),
+    ({"inv_root": {"steps": True}}, ValueError, r"inverse-root steps must be a positive integer, got True"),
+    ({"inv_root": {"method": "eigh", "steps": 0}}, ValueError, r"inverse-root steps must be a positive integer"),
+    ({"inv_root": "cholesky"}, ValueError, r"unknown inverse-root method 'cholesky': use 'eigh' or 'newton_schulz'"),
+    ({"inv_root": "svd"}, ValueError, r"unknown inverse-root method 'svd'"),  # a polar method is not a root method
+    ({"inv_root": {"method": "cholesky"}}, ValueError, r"unknown inverse-root method 'cholesky'"),
+    ({"inv_root": {"coefficients": "muon"}}, TypeError, r"unexpected keyword argument 'coefficients'"),
+    ({"inv_root": PolarConfig()}, TypeError, r"inv_root must be a InverseRootConfig"),
+    ({"inv_root": 30}, TypeError, r"inv_root must be a InverseRootConfig.*got 30"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match", HYPERPARAMETER_ERRORS, ids=[f"{k}={v!r}" for (d, _, _) in HYPERPARAMETER_ERRORS for k, v in d.items()]
+)
+def test_hyperparameters_are_validated(kwargs: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        FISMO(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: PolarConfig(steps=0), ValueError, r"steps must be a positive integer, got 0"),
+        (lambda: PolarConfig(method="eig"), ValueError, r"unknown polar method 'eig'"),
+        (lambda: PolarConfig(coefficients="polar-express"), ValueError, r"unknown Newton–Schulz coefficients 'polar-express'"),
+        (lambda: PolarConfig(eps=-1e-7), ValueError, r"polar eps must lie in \(0\.0, inf\), got -1e-07"),
+        (lambda: PolarConfig(eps=math.nan), ValueError, r"polar eps must be a finite real number, got nan"),
+        (lambda: InverseRootConfig(steps=0), ValueError, r"inverse-root steps must be a positive integer"),
+        (lambda: InverseRootConfig(steps=2.5), ValueError, r"inverse-root steps must be a positive integer, got 2\.5"),
+        (lambda: InverseRootConfig(method="newton"), ValueError, r"unknown inverse-root method 'newton'"),
+    ],
+    ids=["polar-steps", "polar-method", "polar-coefficients", "polar-eps", "polar-eps-nan",
+         "root-steps", "root-steps-float", "root-method"],
+)
+def test_configs_are_validated(make: Callable[[], Any], exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_polar_eps_rejects_bool() -> None:
+    """eps rejects bool like every other real hyperparameter (regression: True was taken as 1)."""
+    with pytest.raises((TypeError, ValueError), match=r"eps"):
+        PolarConfig(eps=True)
+
+
+def test_valid_dict_and_string_configs_are_the_dataclasses() -> None:
+    """The accepted forms (method name, dict of fields) give the same configs as the dataclasses."""
+    assert FISMO(polar="svd").polar == PolarConfig(method="svd")
+    assert FISMO(inv_root="newton_schulz").inv_root == InverseRootConfig(method="newton_schulz")
+    opt = FISMO(polar={"coefficients": "polar_express", "steps": 8}, inv_root={"method": "newton_schulz", "steps": 12})
+    assert opt.polar == PolarConfig(coefficients="polar_express", steps=8)
+    assert opt.inv_root == InverseRootConfig(method="newton_schulz", steps=12)
+    assert isinstance(FISMO(polar={"coefficients": [[3.0, -4.0, 2.0]]}).polar.coefficients, tuple)
+
+
+@pytest.mark.parametrize("field, value", [("lr", -1.0), ("beta", 2.0), ("gamma", -0.5), ("mu", -1.0), ("nesterov", 0)])
+def test_hyperparameters_cannot_be_changed_past_the_checks(field: str, value: Any) -> None:
+    opt = FISMO()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(opt, field, value)
+    with pytest.raises((ValueError, TypeError), match=field):
+        dataclasses.replace(opt, **{field: value})
+
+
+def test_boundary_values_are_accepted() -> None:
+    """The closed ends of the documented ranges are valid (beta, gamma in [0, 1]; mu, weight_decay >= 0)."""
+    for kwargs in ({"beta": 0.0}, {"beta": 1.0}, {"gamma": 0.0}, {"gamma": 1.0}, {"mu": 0.0}, {"weight_decay": 0.0}, {"lr": 1}):
+        opt = FISMO(**kwargs)
+        for k, v in kwargs.items():
+            assert getattr(opt, k) == v and isinstance(getattr(opt, k), float)
+
+
+# ------------------------------------------- the state survives every failure
+def test_state_is_untouched_after_every_failing_call() -> None:
+    """One state through a series of failing calls, then a successful step from it: same result as fresh."""
+    opt, W, G, state = _numpy_setup()
+    expected_W, expected_state = opt.step(np.array(W), np.array(G), _numpy_setup()[3])
+    snapshot = _snapshot(state)
+    failing = [
+        lambda: opt.step(W.astype(np.int64), G, state),
+        lambda: opt.step(W, G.astype(np.complex128), state),
+        lambda: opt.step(W, G.T, state),
+        lambda: opt.step(W[:, :5], G[:, :5], state),
+        lambda: opt.step(W[0], G[0], state),
+        lambda: opt.direction(G[None], state),
+    ]
+    for call in failing:
+        with pytest.raises((TypeError, ValueError)):
+            call()
+        _assert_untouched(state, snapshot)
+    W_new, new_state = opt.step(W, G, state)
+    assert np.array_equal(W_new, expected_W)
+    for f in FIELDS:
+        assert np.array_equal(getattr(new_state, f), getattr(expected_state, f)), f
+    assert new_state.step == state.step + 1 == 2
