@@ -15,6 +15,7 @@ in ``tests/test_linalg.py``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
@@ -94,8 +95,12 @@ def whiten(X: Array, left: Array, right: Array) -> Array:
     With ``left = P^{-1/2}`` and ``right = Q^{-1/2}`` this is the whitening of
     Algorithm 1 line 6 (``G~ = P^{-1/2} G Q^{-1/2}``) and the un-whitening of
     line 8 (``P^{-1/2} Polar(M) Q^{-1/2}``). The association is fixed as
-    ``(left @ X) @ right`` so every backend rounds the same way.
+    ``(left @ X) @ right`` so every backend rounds the same way. All three
+    must come from one array library and live on one device.
     """
+    for array, name in ((X, "X"), (left, "left"), (right, "right")):
+        _check_float_matrices(array, name)
+    _check_same_namespace_and_device(X, left, right)
     return (left @ X) @ right
 
 
@@ -107,7 +112,7 @@ def newton_schulz_schedule(
     A schedule shorter than ``steps`` repeats its last triple (Muon's single
     triple at every step; Polar Express past its eighth step).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if isinstance(coefficients, str):
         if coefficients not in _NAMED_SCHEDULES:
@@ -129,6 +134,18 @@ def newton_schulz_schedule(
         safety = 1.0
     schedule = tuple(triples[min(k, len(triples) - 1)] for k in range(steps))
     return schedule, safety  # type: ignore[return-value]
+
+
+def _check_same_namespace_and_device(*arrays: Array) -> Any:
+    """The common namespace of ``arrays``; a clear error if they mix libraries or devices."""
+    try:
+        xp = array_namespace(*arrays)
+    except TypeError as exc:
+        raise TypeError(f"all arrays of one call must come from one array library: {exc}") from exc
+    devices = {str(device(a)) for a in arrays}
+    if len(devices) > 1:
+        raise ValueError(f"all arrays of one call must live on one device, got {sorted(devices)}")
+    return xp
 
 
 def _check_float_matrices(X: Array, name: str, *, square: bool = False) -> Any:
@@ -210,7 +227,8 @@ def polar(
     transposed = X.shape[-2] > X.shape[-1]
     Y = xp.matrix_transpose(X) if transposed else X
     norm = xp.linalg.matrix_norm(Y, keepdims=True)
-    Y = Y / xp.clip(safety * norm, min=eps)
+    # maximum, not clip: array-api-compat's CuPy clip indexes with a mask, a host sync.
+    Y = Y / xp.maximum(safety * norm, eps)
     for a, b, c in schedule:
         gram = Y @ xp.matrix_transpose(Y)
         Y = a * Y + (b * gram + c * (gram @ gram)) @ Y
@@ -258,7 +276,7 @@ def inverse_sqrt(
         return (V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V)
     if method != "newton_schulz":
         raise ValueError(f"unknown inverse_sqrt method {method!r}: use 'eigh' or 'newton_schulz'")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     d = A.shape[-1]
     identity = xp.eye(d, dtype=A.dtype, device=device(A))
