@@ -19,9 +19,9 @@ from typing import Any, Literal, NamedTuple, Union
 from array_api_compat import array_namespace, device
 
 from . import linalg
-from .linalg import Array, Coefficients
+from .linalg import Array, Coefficients, _check_same_namespace_and_device
 
-__all__ = ["FISMO", "FISMOState", "InverseRootConfig", "PolarConfig"]
+__all__ = ["FISMO", "FISMOState", "InverseRootConfig", "PolarConfig", "state_dtype"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class InverseRootConfig:
     def __post_init__(self) -> None:
         if self.method not in ("eigh", "newton_schulz"):
             raise ValueError(f"unknown inverse-root method {self.method!r}: use 'eigh' or 'newton_schulz'")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 1:
             raise ValueError(f"inverse-root steps must be a positive integer, got {self.steps!r}")
 
     def __call__(self, A: Array) -> Array:
@@ -90,7 +90,8 @@ class FISMOState(NamedTuple):
         so no inverse is ever formed.
     step:
         Number of steps taken, ``t`` (an int; a 0-d integer array once the
-        step has been traced, e.g. under ``jax.jit``).
+        step has been traced, e.g. under ``jax.jit``). A counter for the
+        user: Algorithm 1 itself never reads it (no bias correction).
     """
 
     P: Array
@@ -156,6 +157,13 @@ class FISMO:
         Nesterov momentum, as ``torch.optim.Muon(nesterov=True)`` but in the
         whitened space: line 8 orthogonalises ``beta M_t + (1 - beta) G~_t``
         instead of ``M_t``. Not in Algorithm 1; default off.
+    nonfinite:
+        What a NaN or infinity in the gradient does. ``"raise"`` (default): a
+        ``ValueError`` before anything changes; this reads one boolean back
+        from the device per call (inside ``jax.jit`` nothing can be read and
+        the check is left out). ``"propagate"``: no check and no host
+        synchronisation; non-finite values flow into the state, for GPU
+        pipelines that check the loss themselves.
     """
 
     lr: float = 0.02
@@ -166,6 +174,7 @@ class FISMO:
     inv_root: Union[InverseRootConfig, str, dict] = field(default_factory=InverseRootConfig)
     weight_decay: float = 0.0
     nesterov: bool = False
+    nonfinite: Literal["raise", "propagate"] = "raise"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -176,6 +185,8 @@ class FISMO:
         set_(self, "weight_decay", _check_real("weight_decay", self.weight_decay, 0.0))
         if not isinstance(self.nesterov, bool):
             raise TypeError(f"nesterov must be True or False, got {self.nesterov!r}")
+        if self.nonfinite not in ("raise", "propagate"):
+            raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {self.nonfinite!r}")
         set_(self, "polar", _as_config(self.polar, PolarConfig, "polar"))
         set_(self, "inv_root", _as_config(self.inv_root, InverseRootConfig, "inv_root"))
 
@@ -188,13 +199,14 @@ class FISMO:
         and namespace are ``W``'s.
         """
         xp = _check_matrix(W, "W")
-        dtype = _state_dtype(xp, W.dtype)
+        dtype = state_dtype(xp, W.dtype)
         *batch, m, n = W.shape
         dev = device(W)
         P = xp.zeros((*batch, m, m), dtype=dtype, device=dev) + xp.eye(m, dtype=dtype, device=dev)
         Q = xp.zeros((*batch, n, n), dtype=dtype, device=dev) + xp.eye(n, dtype=dtype, device=dev)
         M = xp.zeros((*batch, m, n), dtype=dtype, device=dev)
-        return FISMOState(P=P, Q=Q, M=M, P_inv_sqrt=P, Q_inv_sqrt=Q, step=0)
+        # The roots are separate arrays (equal to P and Q), so in-place adapters never alias them.
+        return FISMOState(P=P, Q=Q, M=M, P_inv_sqrt=xp.asarray(P, copy=True), Q_inv_sqrt=xp.asarray(Q, copy=True), step=0)
 
     # ------------------------------------------------------------- direction
     def direction(self, G: Array, state: FISMOState) -> tuple[Array, FISMOState]:
@@ -206,7 +218,8 @@ class FISMO:
         then ``Q_t`` from the new ``P_t``.
         """
         xp = _check_call(G, state)
-        _check_finite(xp, G)
+        if self.nonfinite == "raise":
+            _check_finite(xp, G)
         G = xp.astype(G, state.M.dtype, copy=False)
         m, n = G.shape[-2], G.shape[-1]
         P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
@@ -250,10 +263,10 @@ class FISMO:
             raise ValueError(f"W and G must have the same shape, got W {tuple(W.shape)} and G {tuple(G.shape)}")
         _check_same_namespace_and_device(W, G)
         _check_call(G, state)
-        if state.M.dtype != _state_dtype(xp, W.dtype):
+        if state.M.dtype != state_dtype(xp, W.dtype):
             raise TypeError(
                 f"state dtype {state.M.dtype} does not match W of dtype {W.dtype}: FISMO.init(W) "
-                f"would give {_state_dtype(xp, W.dtype)} (was the state built for another parameter?)"
+                f"would give {state_dtype(xp, W.dtype)} (was the state built for another parameter?)"
             )
         direction, new_state = self.direction(G, state)
         W_decayed = W * (1 - self.lr * self.weight_decay) if self.weight_decay else W
@@ -261,8 +274,13 @@ class FISMO:
 
 
 # ------------------------------------------------------------------ checks
-def _state_dtype(xp: Any, dtype: Any) -> Any:
-    """float64 stays float64; anything narrower than float32 is promoted to float32."""
+def state_dtype(xp: Any, dtype: Any) -> Any:
+    """The dtype of FISMO's state for parameters of ``dtype`` in namespace ``xp``.
+
+    float64 stays float64; float32 and anything narrower (bfloat16, float16)
+    get float32 statistics, so P, Q and their roots never lose precision to
+    the parameters' format.
+    """
     return xp.float64 if dtype == xp.float64 else xp.float32
 
 
@@ -278,17 +296,6 @@ def _check_matrix(X: Array, name: str) -> Any:
         )
     if not xp.isdtype(X.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype, got {X.dtype}")
-    return xp
-
-
-def _check_same_namespace_and_device(*arrays: Array) -> Any:
-    try:
-        xp = array_namespace(*arrays)
-    except TypeError as exc:
-        raise TypeError(f"all arrays of one call must come from one array library: {exc}") from exc
-    devices = {str(device(a)) for a in arrays}
-    if len(devices) > 1:
-        raise ValueError(f"all arrays of one call must live on one device, got {sorted(devices)}")
     return xp
 
 

@@ -1,0 +1,384 @@
+"""JAX: ``jax.jit`` of the core step, and the optax adapter ``fismo_core.backends.optax``.
+
+The JAX targets come from :func:`fismo_core.testing.targets` (which switches
+on x64 process-wide, so the float64 target really is float64). Reference
+trajectories use the seeded, anisotropic gradients of
+:func:`fismo_core.testing.reference_gradients`, so ``P`` and ``Q`` move well
+away from the identity and every line of Algorithm 1 matters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fismo_core import FISMO
+from fismo_core.testing import max_relative_error, reference_gradients, targets
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+JAX_TARGETS = {t.dtype: t for t in targets() if t.backend == "jax"}
+STATE_FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
+STEPS = 20
+#: One matrix shape for (nearly) every trajectory: eager JAX compiles each
+#: primitive once per shape and dtype, so sharing the shape keeps the file fast.
+SHAPE = (8, 12)
+
+#: jit against eager JAX, worst relative Frobenius error over 20 steps of
+#: every array of the step. jit compiles the same operations into one XLA
+#: program, and fusion may reorder sums and use FMAs: a rounding-level
+#: difference. Measured worst cases over shapes (8, 12), (3, 8, 12), (16, 8), (6, 10),
+#: two seeds and the configurations below: 1.5e-14 in float64 and 8.7e-6 in float32
+#: (float32 rounding, 6e-8, amplified by eigh and Newton–Schulz along the
+#: trajectory). float64: 1e-12 leaves a factor of 70. float32: 1e-4 (the
+#: project's float32 bar in fismo_core.testing.TOLERANCES) leaves a factor of
+#: 11. A wrong formula, a dropped state update or a stale cached root is an
+#: error of order 1e-2 or more and fails either bar.
+JIT_TOLERANCE = {"float64": 1e-12, "float32": 1e-4}
+
+
+def _jax_target(dtype: str):
+    target = JAX_TARGETS[dtype]
+    if not target.available:
+        pytest.skip(target.reason)
+    return target
+
+
+def _optax():
+    return pytest.importorskip("optax", reason="optax is not installed (pip install optax)")
+
+
+def _trajectory(shape, dtype, seed=1):
+    grads = [jnp.asarray(g, dtype=dtype) for g in reference_gradients(shape, STEPS, seed=seed)]
+    W0 = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(shape), dtype=dtype)
+    return W0, grads
+
+
+# ------------------------------------------------------------- core + jax.jit
+JIT_CASES = [
+    pytest.param("float64", FISMO(), id="float64-default"),
+    pytest.param("float32", FISMO(), id="float32-default"),
+    pytest.param("float64", FISMO(polar="svd", nesterov=True, weight_decay=0.1), id="float64-svd-nesterov-wd"),
+    pytest.param("float64", FISMO(inv_root="newton_schulz"), id="float64-matmul-only"),
+]
+# (gamma = 0.5 is left out on purpose: with these strongly anisotropic
+# gradients it drives P and Q to condition numbers where the trajectory
+# itself amplifies rounding, and jit-vs-eager then measured 3e-11 to 4e-10 in
+# float64 and up to 1e-1 in float32: a property of the algorithm at that
+# setting, not of jit.)
+
+
+@pytest.mark.parametrize("dtype, opt", JIT_CASES)
+def test_jit_step_matches_eager_and_traces_once(dtype: str, opt: FISMO) -> None:
+    """``jax.jit(opt.step)`` equals the eager step over 20 steps, and is traced exactly once."""
+    _jax_target(dtype)
+    W0, grads = _trajectory(SHAPE, dtype)
+    traces = []
+
+    def step(W, G, state):
+        traces.append(1)  # Python runs only while JAX traces
+        return opt.step(W, G, state)
+
+    jitted = jax.jit(step)
+    W_e = W_j = W0
+    s_e = s_j = opt.init(W0)
+    for t, G in enumerate(grads, 1):
+        W_e, s_e = opt.step(W_e, G, s_e)
+        W_j, s_j = jitted(W_j, G, s_j)
+        assert W_j.dtype == jnp.dtype(dtype) and s_j.P.dtype == jnp.dtype(dtype)
+        assert int(s_j.step) == t
+        errors = [max_relative_error(W_j - W0, W_e - W0)]
+        errors += [max_relative_error(getattr(s_j, f), getattr(s_e, f)) for f in STATE_FIELDS]
+        assert max(errors) <= JIT_TOLERANCE[dtype], (t, errors)
+    # One trace for 20 steps. The first call passes the Python int 0 as the
+    # step count, later calls the weakly typed integer array the jitted step
+    # returned: both abstract to the same weak int scalar, so JAX reuses the
+    # trace. A step count or hyperparameter that became static (or a Python
+    # branch on a value) would retrace every step.
+    assert len(traces) == 1
+
+
+def test_jit_traces_once_per_shape() -> None:
+    """A new shape traces again (the counter really counts); the same one does not."""
+    _jax_target("float32")
+    opt = FISMO(gamma=1.0)  # the cheapest step to compile; tracing does not depend on it
+    traces = []
+
+    def step(W, G, state):
+        traces.append((W.shape, W.dtype))
+        return opt.step(W, G, state)
+
+    jitted = jax.jit(step)
+    for shape in [(4, 6), (4, 6), (5, 6)]:
+        W = jnp.ones(shape, dtype="float32")
+        state = opt.init(W)
+        for _ in range(2):
+            W, state = jitted(W, W, state)
+    assert len(traces) == 2, traces
+
+
+def test_jit_direction_and_linalg() -> None:
+    """``direction`` and the matrix functions jit as well (no value-dependent Python control flow)."""
+    _jax_target("float64")
+    from fismo_core import linalg
+
+    W0, grads = _trajectory(SHAPE, "float64")
+    opt = FISMO()
+    state = opt.init(W0)
+    d_e, s_e = opt.direction(grads[0], state)
+    d_j, s_j = jax.jit(opt.direction)(grads[0], state)
+    # Same bar as above: one step of the same computation, jit vs eager.
+    assert max_relative_error(d_j, d_e) <= JIT_TOLERANCE["float64"]
+
+    def matrix_functions(X, P_is, Q_is):
+        S = X @ jnp.swapaxes(X, -1, -2) + jnp.eye(X.shape[-2])
+        return (
+            linalg.polar(X),
+            linalg.polar(X, method="svd"),
+            linalg.inverse_sqrt(S),
+            linalg.inverse_sqrt(S, method="newton_schulz"),
+            linalg.whiten(X, P_is, Q_is),
+        )
+
+    args = (grads[1], s_e.P_inv_sqrt, s_e.Q_inv_sqrt)
+    for got, want in zip(jax.jit(matrix_functions)(*args), matrix_functions(*args)):
+        assert max_relative_error(got, want) <= JIT_TOLERANCE["float64"]
+
+
+# ----------------------------------------------------------------- optax
+def test_optax_adapter_is_a_gradient_transformation() -> None:
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    tx = fismo(0.02)
+    assert isinstance(tx, optax.GradientTransformation)
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(4)}
+    state = tx.init(params)
+    updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
+    assert all(u.shape == p.shape and u.dtype == p.dtype for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)))
+
+
+#: optax against the core on the same gradients. Without weight decay and
+#: without jit the two compute exactly the same floating-point operations
+#: (the core's W - lr*dW; optax's W + (-lr)*dW, and negation is exact), so
+#: they agree bit for bit: measured 0 in float64 and float32. With weight
+#: decay optax computes W + (-lr)*(dW + wd W) where the core computes
+#: (1 - lr wd) W - lr dW: the same number rounded differently; with jit,
+#: XLA fusion. Measured worst case over 20 steps: 5.9e-15 (float64) and
+#: 2.9e-6 (float32) for the relative error of W_t - W_0; the JIT_TOLERANCE
+#: bars leave factors of 170 and 34.
+OPTAX_CASES = [
+    pytest.param("float64", 0.0, False, id="float64-eager"),
+    pytest.param("float32", 0.0, False, id="float32-eager"),
+    pytest.param("float64", 0.1, True, id="float64-jit-weight_decay"),
+    pytest.param("float32", 0.1, True, id="float32-jit-weight_decay"),
+]
+
+
+@pytest.mark.parametrize("dtype, weight_decay, use_jit", OPTAX_CASES)
+def test_optax_matches_core_trajectory(dtype: str, weight_decay: float, use_jit: bool) -> None:
+    """Same gradients, same parameters: ``optax.apply_updates`` of the adapter's updates is the core's step."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target(dtype)
+    lr = 0.05
+    opt = FISMO(lr=lr, weight_decay=weight_decay)
+    tx = fismo(lr, weight_decay=weight_decay)
+    W0, grads = _trajectory(SHAPE, dtype, seed=3)
+    traces = []
+
+    def update(g, s, p):
+        traces.append(1)
+        return tx.update(g, s, p)
+
+    update = jax.jit(update) if use_jit else update
+    W_core = W_tx = W0
+    s_core, s_tx = opt.init(W0), tx.init(W0)
+    for G in grads:
+        W_core, s_core = opt.step(W_core, G, s_core)
+        u, s_tx = update(G, s_tx, W_tx)
+        assert u.dtype == W_tx.dtype
+        W_tx = optax.apply_updates(W_tx, u)
+        if weight_decay == 0.0 and not use_jit:
+            assert bool(jnp.array_equal(W_tx, W_core))
+        else:
+            assert max_relative_error(W_tx - W0, W_core - W0) <= JIT_TOLERANCE[dtype]
+    if use_jit:
+        assert len(traces) == 1  # as for the core: the FISMOState step count does not retrace
+
+
+def test_optax_pytree_with_jit() -> None:
+    """A dict of a matrix, a 3-D tensor and a bias: FISMO on the first two (the 3-D one as
+    ``(shape[0], -1)``), AdamW with the same learning rate on the bias; one trace for all steps."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float64")
+    lr, steps = 0.03, 8
+    shapes = {"dense": SHAPE, "conv": (SHAPE[0], 3, SHAPE[1] // 3), "bias": (SHAPE[0],)}
+    rng = np.random.default_rng(7)
+    params0 = {k: jnp.asarray(rng.standard_normal(shape)) for k, shape in shapes.items()}
+    dense_g = reference_gradients(SHAPE, steps, seed=10)
+    conv_g = reference_gradients(SHAPE, steps, seed=11)
+    grads = [
+        {"dense": jnp.asarray(d), "conv": jnp.asarray(c.reshape(shapes["conv"])), "bias": jnp.asarray(rng.standard_normal(SHAPE[0]))}
+        for d, c in zip(dense_g, conv_g)
+    ]
+    tx = fismo(lr)
+    traces = []
+
+    @jax.jit
+    def train_step(params, state, g):
+        traces.append(1)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = params0, tx.init(params0)
+    for g in grads:
+        params, state = train_step(params, state, g)
+    assert len(traces) == 1
+    assert {k: v.shape for k, v in params.items()} == shapes
+
+    # The references, eager: the core on each matrix (the 3-D tensor
+    # flattened to (shape[0], -1)), optax.adamw(lr, weight_decay=0) on the bias.
+    core = FISMO(lr=lr)
+    for name in ("dense", "conv"):
+        W0 = jnp.reshape(params0[name], SHAPE)
+        W, s = W0, core.init(W0)
+        for g in grads:
+            W, s = core.step(W, jnp.reshape(g[name], SHAPE), s)
+        # Tolerance: JIT_TOLERANCE (jit of the whole train step against the eager core).
+        assert max_relative_error(jnp.reshape(params[name], SHAPE) - W0, W - W0) <= JIT_TOLERANCE["float64"], name
+    adamw = optax.adamw(lr, weight_decay=0.0)
+    b, s = params0["bias"], adamw.init(params0["bias"])
+    for g in grads:
+        u, s = adamw.update(g["bias"], s, b)
+        b = optax.apply_updates(b, u)
+    # The same AdamW arithmetic, jit against eager: rounding only (measured
+    # 0); 1e-12 on entries of size about lr * steps = 0.24.
+    assert float(jnp.max(jnp.abs(params["bias"] - b))) <= 1e-12
+
+
+def test_optax_learning_rate_schedule() -> None:
+    """A schedule ``lr(count)`` scales the t-th update (count 0 first), as in every optax optimizer."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float64")
+    # Piecewise constant with exact values, so that jit and eager evaluate
+    # the same learning rate (optax's linear_schedule computes in float32 from
+    # its int32 count, and XLA may round that differently inside jit). A count
+    # off by one would apply 0.02 at step 6 or 0.1 at step 7 and fail.
+    schedule = lambda count: jnp.where(count < 7, 0.1, 0.02)  # noqa: E731
+    tx = fismo(schedule)
+    core = FISMO()  # only its direction is used
+    W0, grads = _trajectory(SHAPE, "float64", seed=5)
+    W_ref = W_tx = W_const = W0
+    s_core, s_tx = core.init(W0), tx.init(W0)
+    update = jax.jit(tx.update)
+    for t, G in enumerate(grads):
+        d, s_core = core.direction(G, s_core)
+        W_ref = W_ref - (0.1 if t < 7 else 0.02) * d
+        W_const = W_const - 0.1 * d
+        u, s_tx = update(G, s_tx, W_tx)
+        W_tx = optax.apply_updates(W_tx, u)
+        # Tolerance: JIT_TOLERANCE (jit against eager; same arithmetic).
+        assert max_relative_error(W_tx - W0, W_ref - W0) <= JIT_TOLERANCE["float64"], t
+    # The schedule mattered: the constant learning rate 0.1 ends far away.
+    assert max_relative_error(W_tx - W0, W_const - W0) > 0.1
+
+
+def test_optax_non_matrix_rules() -> None:
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float32")
+    params = {"w": jnp.ones(SHAPE, jnp.float32), "emb": jnp.ones((7, 3), jnp.float32), "bias": jnp.zeros(4, jnp.float32)}
+    g = {k: jnp.full(v.shape, 0.5, v.dtype) for k, v in params.items()}
+    g["w"] = jnp.asarray(reference_gradients(SHAPE, 1, seed=13)[0], jnp.float32)
+
+    # "error": refused at init, naming the leaf.
+    with pytest.raises(ValueError, match=r"\['bias'\].*shape \(4,\)"):
+        fismo(0.02, non_matrix="error").init(params)
+    # ... and accepted when every leaf is a matrix.
+    matrices = {k: v for k, v in params.items() if v.ndim >= 2}
+    fismo(0.02, non_matrix="error").init(matrices)
+
+    # A given transformation runs on the non-matrix leaves only.
+    updates, _ = fismo(0.02, non_matrix=optax.sgd(0.1)).update(g, fismo(0.02, non_matrix=optax.sgd(0.1)).init(params), params)
+    assert bool(jnp.array_equal(updates["bias"], -0.1 * g["bias"]))
+
+    # matrix_mask=False sends a matrix (an embedding) to non_matrix.
+    mask = {"w": True, "emb": False, "bias": False}
+    tx = fismo(0.02, non_matrix=optax.sgd(0.1), matrix_mask=mask)
+    state = tx.init(params)
+    updates, _ = tx.update(g, state, params)
+    assert bool(jnp.array_equal(updates["emb"], -0.1 * g["emb"]))
+    direction, _ = FISMO().direction(g["w"], FISMO().init(params["w"]))
+    assert bool(jnp.array_equal(updates["w"], -0.02 * direction))
+    # A callable mask works the same way.
+    tx = fismo(0.02, non_matrix=optax.sgd(0.1), matrix_mask=lambda p: {k: k == "w" for k in p})
+    updates, _ = tx.update(g, tx.init(params), params)
+    assert bool(jnp.array_equal(updates["emb"], -0.1 * g["emb"]))
+
+    with pytest.raises(ValueError, match="fewer than 2 dimensions.*bias"):
+        fismo(0.02, matrix_mask={"w": True, "emb": True, "bias": True}).init(params)
+    with pytest.raises(ValueError, match="non_matrix must be"):
+        fismo(0.02, non_matrix="sgd")
+    with pytest.raises(TypeError, match="non_matrix must be"):
+        fismo(0.02, non_matrix=0.1)
+
+
+def test_optax_matrix_shape_for_flax_kernels() -> None:
+    """``matrix_shape`` chooses the matrix of a >2-D leaf, e.g. Flax's HWIO conv kernels as (kh*kw*in, out)."""
+    optax = _optax()
+    from fismo_core.backends.optax import default_matrix_shape, fismo
+
+    _jax_target("float64")
+    assert default_matrix_shape((8, 3, 3, 2)) == (8, 18)
+    hwio_shape = (2, 2, 2, 12)  # (kh, kw, in, out): the matrix is (8, 12) = SHAPE
+    kernel = jnp.asarray(np.random.default_rng(8).standard_normal(hwio_shape))
+    G = jnp.asarray(reference_gradients(SHAPE, 1, seed=9)[0]).reshape(hwio_shape)
+    hwio = lambda s: (math.prod(s[:-1]), s[-1])  # noqa: E731
+    tx = fismo(0.02, matrix_shape=hwio)
+    state = tx.init(kernel)
+    updates, state = tx.update(G, state, kernel)
+    fismo_state = state.inner_states["fismo"].inner_state[0].states
+    assert fismo_state.P.shape == (8, 8) and fismo_state.Q.shape == (12, 12)
+    direction, _ = FISMO().direction(G.reshape(SHAPE), FISMO().init(kernel.reshape(SHAPE)))
+    assert bool(jnp.array_equal(updates, -0.02 * direction.reshape(hwio_shape)))
+    # The default would have used (2, 24): a different matrix, a different update.
+    default_updates, _ = fismo(0.02).update(G, fismo(0.02).init(kernel), kernel)
+    assert not bool(jnp.allclose(default_updates, updates))
+    with pytest.raises(ValueError, match="does not have 96 elements"):
+        fismo(0.02, matrix_shape=lambda s: (5, 5)).init(kernel)
+    assert isinstance(tx, optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_optax_low_precision_params(dtype: str) -> None:
+    """bf16/fp16 params: updates and params keep their dtype, FISMO's statistics are float32,
+    and the result is the core's step on the same bf16/fp16 W, bit for bit."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float32")
+    W0 = jnp.asarray(np.random.default_rng(11).standard_normal(SHAPE), dtype=dtype)
+    grads = [jnp.asarray(g, dtype=dtype) for g in reference_gradients(SHAPE, 3, seed=12)]
+    tx, core = fismo(0.02), FISMO(lr=0.02)
+    W_tx = W_core = W0
+    s_tx, s_core = tx.init(W0), core.init(W0)
+    for G in grads:
+        u, s_tx = tx.update(G, s_tx, W_tx)
+        W_tx = optax.apply_updates(W_tx, u)
+        W_core, s_core = core.step(W_core, G, s_core)
+        assert u.dtype == jnp.dtype(dtype) and W_tx.dtype == jnp.dtype(dtype)
+        inner = s_tx.inner_states["fismo"].inner_state[0].states
+        assert all(getattr(inner, f).dtype == jnp.float32 for f in STATE_FIELDS)
+        assert bool(jnp.array_equal(W_tx, W_core))
+    assert not bool(jnp.array_equal(W_tx, W0))
