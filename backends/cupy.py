@@ -20,8 +20,9 @@ from fismo_core.optimizer import FISMOState
 
 __all__ = ["STATE_ARRAYS", "state_to_device", "state_to_host"]
 
-#: The array fields of :class:`fismo_core.FISMOState` (all but ``step``).
-STATE_ARRAYS: tuple[str, ...] = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
+#: The array fields of :class:`fismo_core.FISMOState` (all but ``step``; the int32
+#: counters ``skipped`` and ``root_failures`` too, which may also be plain ints).
+STATE_ARRAYS: tuple[str, ...] = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt", "skipped", "root_failures")
 
 
 def _cupy() -> Any:
@@ -87,7 +88,7 @@ def state_to_host(state: FISMOState, *, stream: Optional[Any] = None) -> FISMOSt
     moved = {}
     for name in STATE_ARRAYS:
         x = getattr(state, name)
-        if isinstance(x, np.ndarray):
+        if isinstance(x, (np.ndarray, int)):
             moved[name] = x
         elif type(x).__module__.split(".")[0] == "cupy":
             moved[name] = x.get(stream=stream)

@@ -31,7 +31,7 @@ from torch.optim.optimizer import Optimizer
 
 from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import state_dtype
-from fismo_core.optimizer import FISMOState, InverseRootConfig, PolarConfig
+from fismo_core.optimizer import FISMOState, InverseRootConfig, InverseRootError, PolarConfig
 
 __all__ = ["FISMO", "param_groups"]
 
@@ -39,6 +39,8 @@ _CORE_DEFAULTS = _CoreFISMO()
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order.
 STATE_KEYS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
+#: The per-parameter int32 counters (``FISMOState.skipped``, ``.root_failures``), 0-d tensors.
+COUNTER_KEYS = ("skipped", "root_failures")
 
 _ALGORITHMS = ("fismo", "adamw")
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -53,7 +55,7 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "maximize": False,
     "foreach": None,
 }
-_FISMO_ONLY_KEYS = ("beta", "gamma", "mu", "polar", "inv_root", "nesterov", "adjust_lr_fn")
+_FISMO_ONLY_KEYS = ("beta", "gamma", "mu", "polar", "inv_root", "nesterov", "adjust_lr_fn", "statistics", "nonfinite")
 _ADAMW_ONLY_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach")
 
 
@@ -107,6 +109,8 @@ def _core_key(group: dict) -> tuple:
         tuple(sorted(group["polar"].items())),
         tuple(sorted(group["inv_root"].items())),
         group["nesterov"],
+        group.get("statistics", _CORE_DEFAULTS.statistics),  # absent from checkpoints saved before it existed
+        group.get("nonfinite", "raise"),  # likewise
     )
 
 
@@ -117,9 +121,27 @@ def _make_core(key: tuple) -> _CoreFISMO:
     learning rate or the weight decay (line 9 is applied by the adapter with
     the group's current lr, which schedulers may set to 0, a value the core's
     constructor rejects); they stay at the core's defaults.
+
+    Non-finite gradients are handled by the adapter before the core is
+    called (so that errors name the parameter), so the core runs with
+    ``nonfinite="propagate"``; its inverse-root checks follow the group's
+    ``nonfinite`` policy, as they would in the core, unless ``inv_root``
+    sets ``fallback``.
     """
-    beta, gamma, mu, polar, inv_root, nesterov = key
-    return _CoreFISMO(beta=beta, gamma=gamma, mu=mu, polar=dict(polar), inv_root=dict(inv_root), nesterov=nesterov)
+    beta, gamma, mu, polar, inv_root, nesterov, statistics, nonfinite = key
+    inv_root = dict(inv_root)
+    if inv_root.get("fallback") is None:
+        inv_root["fallback"] = nonfinite != "propagate"
+    return _CoreFISMO(
+        beta=beta,
+        gamma=gamma,
+        mu=mu,
+        polar=dict(polar),
+        inv_root=inv_root,
+        nesterov=nesterov,
+        statistics=statistics,
+        nonfinite="propagate",
+    )
 
 
 class FISMO(Optimizer):
@@ -140,7 +162,7 @@ class FISMO(Optimizer):
         dimensions (convolutions) is optimised as the matrix
         ``(out, prod(rest))``. 1-D tensors (biases, norm scales) raise a
         ``ValueError``: put them in an ``"adamw"`` group.
-    lr, beta, gamma, mu, polar, inv_root, weight_decay, nesterov:
+    lr, beta, gamma, mu, polar, inv_root, weight_decay, nesterov, statistics:
         As in [`fismo_core.FISMO`][fismo_core.FISMO], with the same defaults. ``lr`` may be
         0 (schedulers reach it); ``weight_decay`` is decoupled,
         ``W <- (1 - lr * weight_decay) W`` with the group's unadjusted lr,
@@ -150,6 +172,16 @@ class FISMO(Optimizer):
         ``"match_rms_adamw"`` (``lr * 0.2 * sqrt(max(m, n))``), as in
         ``torch.optim.Muon``; ``(m, n)`` is the (flattened) matrix shape.
         Scales the step ``- lr * dW`` only, not the weight decay (as Muon).
+    nonfinite:
+        What a NaN or infinity in the gradient of a FISMO parameter does
+        (checked for every FISMO parameter before anything changes; one
+        host read per step). ``"raise"`` (default): a ``ValueError`` naming
+        the parameter; no parameter, state or step count changes.
+        ``"skip"``: that parameter is left alone for this step (parameter,
+        ``P``, ``Q``, ``M``, roots and ``step`` unchanged, no weight decay)
+        and its ``state["skipped"]`` counts up; the others step.
+        ``"propagate"``: no check, as ``torch.optim`` optimizers. AdamW
+        groups are never checked (as ``torch.optim.AdamW``).
     process_group:
         For data parallelism with replicated parameters (DDP): the group
         across which the matrix work is partitioned. Each matrix has one
@@ -173,6 +205,8 @@ class FISMO(Optimizer):
         nesterov: bool = _CORE_DEFAULTS.nesterov,
         adjust_lr_fn: Optional[str] = None,
         process_group: Any = None,
+        statistics: str = _CORE_DEFAULTS.statistics,
+        nonfinite: str = "raise",
     ) -> None:
         if process_group is not None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise RuntimeError("process_group was given but torch.distributed is not initialised")
@@ -188,6 +222,8 @@ class FISMO(Optimizer):
             "weight_decay": weight_decay,
             "nesterov": nesterov,
             "adjust_lr_fn": adjust_lr_fn,
+            "statistics": statistics,
+            "nonfinite": nonfinite,
         }
         _validate_fismo_hparams(defaults, "the optimizer's defaults")
         super().__init__(params, defaults)
@@ -250,10 +286,21 @@ class FISMO(Optimizer):
         The base class casts every floating state tensor to its parameter's
         dtype; for bf16/fp16 matrices that would round ``P``, ``Q``, ``M`` and
         the roots to 8 or 11 bits. They are restored in float32 (float64 for
-        float64 parameters) from the saved tensors instead.
+        float64 parameters) from the saved tensors instead, and the int32
+        counters ``skipped`` and ``root_failures`` as int32 (0 when a
+        checkpoint predates them).
+
+        Before anything is loaded, the state of every FISMO parameter is
+        checked against the parameter: a missing key (``KeyError``), a shape
+        that does not fit the parameter's matrix ``(m, n)`` (``ValueError``)
+        or a non-floating ``P``, ``Q``, ``M`` or root (``TypeError``) raises
+        and leaves the optimizer as it was. (Floating dtypes are converted,
+        as ``torch.optim`` does.) The FISMO state is copied, never shared
+        with ``state_dict``'s tensors.
         """
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
+        self._check_saved_state(saved_state, saved_groups)
         super().load_state_dict(state_dict)
         for saved_group, group in zip(saved_groups, self.param_groups):
             if group.get("algorithm", "fismo") != "fismo":
@@ -265,9 +312,63 @@ class FISMO(Optimizer):
                 state = self.state[p]
                 dtype = _state_dtype(p.dtype)
                 device = p.to_local().device if _is_dtensor(p) else p.device
+                # Copies (copy=True): FISMO updates its state in place, so a state_dict taken from
+                # another live optimizer must not share tensors with it.
                 for key in STATE_KEYS:
                     if key in saved:
-                        state[key] = saved[key].to(device=device, dtype=dtype)
+                        state[key] = saved[key].to(device=device, dtype=dtype, copy=True)
+                for key in COUNTER_KEYS:
+                    if key in saved:
+                        state[key] = saved[key].to(device=device, dtype=torch.int32, copy=True)
+                    else:
+                        state[key] = torch.zeros((), dtype=torch.int32, device=device)
+                if isinstance(state.get("step"), torch.Tensor) and state["step"] is saved.get("step"):
+                    state["step"] = state["step"].clone()
+
+    def _check_saved_state(self, saved_state: dict, saved_groups: list) -> None:
+        """`load_state_dict`'s checks of the FISMO states against the parameters, before anything changes."""
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)
+        ):
+            return  # Optimizer.load_state_dict raises its own error for these
+        for gi, (saved_group, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if group.get("algorithm", "fismo") != "fismo":
+                continue
+            if saved_group.get("algorithm", "fismo") != "fismo":
+                raise ValueError(
+                    f"param group {gi} is a FISMO group, but the checkpoint's group {gi} is an "
+                    f"{saved_group['algorithm']!r} group (were the groups saved in another order?)"
+                )
+            for i, (index, p) in enumerate(zip(saved_group["params"], group["params"])):
+                saved = saved_state.get(index)
+                if not saved:
+                    continue
+                name = _param_name(group, i, gi)
+                missing = [key for key in ("step", *STATE_KEYS) if key not in saved]
+                if missing:
+                    raise KeyError(
+                        f"the checkpoint's state for {name} lacks {missing} (it has {sorted(saved)}): "
+                        "not a FISMO state, or saved for another parameter order"
+                    )
+                m, n = _matrix_shape(p.shape)
+                expected = {"P": (m, m), "Q": (n, n), "M": (m, n), "P_inv_sqrt": (m, m), "Q_inv_sqrt": (n, n)}
+                for key, shape in expected.items():
+                    value = saved[key]
+                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                        raise ValueError(
+                            f"{name} has shape {tuple(p.shape)} (optimised as the matrix {m}x{n}), so its state "
+                            f"{key!r} must have shape {shape}; the checkpoint has {got} (was it saved for another "
+                            "model, or with the parameters in another order?)"
+                        )
+                    if not value.is_floating_point():
+                        raise TypeError(f"the checkpoint's state {key!r} of {name} has dtype {value.dtype}, not a float")
+                for key in COUNTER_KEYS:
+                    value = saved.get(key)
+                    if value is not None and (
+                        not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_floating_point()
+                    ):
+                        raise ValueError(f"the checkpoint's counter {key!r} of {name} must be one integer, got {value!r}")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -276,18 +377,21 @@ class FISMO(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_grads()
+        skip = self._check_grads()
         owners = self._owners()
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_group_step(group)
             else:
-                self._fismo_group_step(group, owners)
+                self._fismo_group_step(group, owners, skip)
         return loss
 
     # ------------------------------------------------------------------ checks
-    def _check_grads(self) -> None:
-        """Every gradient is checked before any parameter or state changes."""
+    def _check_grads(self) -> set:
+        """Every gradient is checked before any parameter or state changes.
+
+        Returns the ids of the FISMO parameters to skip this step (``nonfinite="skip"``).
+        """
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 g = p.grad
@@ -306,6 +410,58 @@ class FISMO(Optimizer):
                         raise TypeError(f"{name} has a non-floating gradient ({g.dtype})")
                     if tuple(g.shape) != tuple(p.shape):
                         raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}")
+        return self._check_finite_grads()
+
+    def _check_finite_grads(self) -> set:
+        """NaN and infinity in FISMO gradients, per the groups' ``nonfinite`` policy: raise, or the set to skip.
+
+        One host read per step (the flags of all parameters stacked); a
+        sharded (FSDP2) gradient's flag is reduced over its mesh first, so
+        every rank takes the same decision.
+        """
+        checks = []  # (group index, param index, p, flag)
+        for gi, group in enumerate(self.param_groups):
+            if group["algorithm"] != "fismo" or group.get("nonfinite", "raise") == "propagate":
+                continue
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                local = p.grad.to_local() if _is_dtensor(p.grad) else p.grad
+                flag = torch.isfinite(local).all().to(torch.int32)
+                if _is_dtensor(p):
+                    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=p.device_mesh.get_group())
+                checks.append((gi, i, p, flag))
+        if not checks:
+            return set()
+        by_device: dict[torch.device, list[int]] = {}
+        for k, (*_, flag) in enumerate(checks):
+            by_device.setdefault(flag.device, []).append(k)
+        finite = [True] * len(checks)
+        for ks in by_device.values():
+            for k, ok in zip(ks, torch.stack([checks[k][3] for k in ks]).tolist()):
+                finite[k] = bool(ok)
+        skip = set()
+        for (gi, i, p, _), ok in zip(checks, finite):
+            if ok:
+                continue
+            group = self.param_groups[gi]
+            if group.get("nonfinite", "raise") == "skip":
+                skip.add(id(p))
+                continue
+            g = p.grad.to_local() if _is_dtensor(p.grad) else p.grad
+            nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
+            names = group.get("param_names")
+            if names and i < len(names):
+                label = f"parameter {names[i]!r} (index {i} in param group {gi}, shape {tuple(p.shape)})"
+            else:
+                label = f"parameter {i} of param group {gi} (shape {tuple(p.shape)})"
+            raise ValueError(
+                f"the gradient of {label} contains {nan} NaN and {inf} infinite values (of {g.numel()} entries"
+                f"{' on this rank' if _is_dtensor(p) else ''}); FISMO took no step: every parameter, every FISMO "
+                "state (P, Q, M, roots) and every step count is as it was. Check the loss and the gradient "
+                "computation, or pass nonfinite='skip' to skip such parameters"
+            )
+        return skip
 
     # -------------------------------------------------------------- partition
     def _comm(self, p: torch.Tensor) -> tuple[str, Any]:
@@ -352,7 +508,7 @@ class FISMO(Optimizer):
             cores[key] = _make_core(key)
         return cores[key]
 
-    def _fismo_group_step(self, group: dict, owners: dict[torch.Tensor, int]) -> None:
+    def _fismo_group_step(self, group: dict, owners: dict[torch.Tensor, int], skip: set = frozenset()) -> None:
         core = self._core_for(group)
         lr = _scalar(group["lr"])
         weight_decay = group["weight_decay"]
@@ -363,10 +519,13 @@ class FISMO(Optimizer):
             if p.grad is None:
                 continue
             kind, pg = self._comm(p)
-            if kind == "local":
-                items.append((p, kind, pg, 0, 0))
-            else:
-                items.append((p, kind, pg, owners[p], dist.get_rank(pg)))
+            owner, me = (0, 0) if kind == "local" else (owners[p], dist.get_rank(pg))
+            if id(p) in skip:  # nonfinite="skip": p does not step; the rank keeping its state counts it
+                if me == owner:
+                    dev = p.to_local().device if _is_dtensor(p) else p.device
+                    self._matrix_state(core, p, torch.empty(_matrix_shape(p.shape), device=dev))["skipped"] += 1
+                continue
+            items.append((p, kind, pg, owner, me))
 
         # 1. Full gradients of sharded matrices are gathered to their owners.
         full_grads: dict[torch.Tensor, torch.Tensor] = {}
@@ -417,18 +576,32 @@ class FISMO(Optimizer):
             G = grad.reshape(m, n)
             buckets.setdefault((m, n, p.dtype, G.device), []).append((p, G))
         directions = {}
+        results = []
         for bucket in buckets.values():
             states = [self._matrix_state(core, p, G) for p, G in bucket]
             if len(bucket) == 1:
                 G_stack = bucket[0][1][None]
-                stacked = FISMOState(*(states[0][k][None] for k in STATE_KEYS), step=0)
+                stacked = FISMOState(
+                    *(states[0][k][None] for k in STATE_KEYS), step=0, **{k: states[0][k][None] for k in COUNTER_KEYS}
+                )
             else:
                 G_stack = torch.stack([G for _, G in bucket])
-                stacked = FISMOState(*(torch.stack([s[k] for s in states]) for k in STATE_KEYS), step=0)
+                stacked = FISMOState(
+                    *(torch.stack([s[k] for s in states]) for k in STATE_KEYS),
+                    step=0,
+                    **{k: torch.stack([s[k] for s in states]) for k in COUNTER_KEYS},
+                )
             # Algorithm 1, lines 4-8, for the whole bucket. The core's step count is
             # not used by the algorithm; each parameter keeps its own in state["step"].
-            D, new = core.direction(G_stack, stacked)
-            for key in STATE_KEYS:
+            try:
+                D, new = core.direction(G_stack, stacked)
+            except InverseRootError as exc:
+                names = ", ".join(self._label(bucket[i][0]) for i in exc.indices)
+                raise InverseRootError(f"{exc}. The failing parameters: {names}", exc.indices) from exc
+            results.append((bucket, states, stacked, D, new))
+        # Every core call has succeeded before any state is written: an error above changes nothing.
+        for bucket, states, stacked, D, new in results:
+            for key in STATE_KEYS + COUNTER_KEYS:
                 new_value = getattr(new, key)
                 if new_value is getattr(stacked, key):  # unchanged (gamma = 1 keeps P, Q and their roots)
                     continue
@@ -439,6 +612,14 @@ class FISMO(Optimizer):
                 directions[p] = D[i]
         return directions
 
+    def _label(self, p: torch.Tensor) -> str:
+        """How error messages name parameter ``p``."""
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return _param_name(group, i, gi)
+        return f"a parameter of shape {tuple(p.shape)}"
+
     def _matrix_state(self, core: _CoreFISMO, p: torch.Tensor, G: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
@@ -448,6 +629,9 @@ class FISMO(Optimizer):
             # The core's initial state shares P_0 = I between P and its root; in-place
             # updates need distinct tensors.
             state["P_inv_sqrt"], state["Q_inv_sqrt"] = init.P_inv_sqrt.clone(), init.Q_inv_sqrt.clone()
+        for key in COUNTER_KEYS:  # also for states from before the counters existed
+            if key not in state:
+                state[key] = torch.zeros((), dtype=torch.int32, device=state["P"].device)
         return state
 
     # ------------------------------------------------------------------ AdamW
@@ -606,6 +790,8 @@ def _validate_fismo_hparams(hp: dict, where: str) -> None:
             inv_root=hp["inv_root"],
             weight_decay=hp["weight_decay"],
             nesterov=hp["nesterov"],
+            statistics=hp.get("statistics", _CORE_DEFAULTS.statistics),
+            nonfinite=hp.get("nonfinite", "raise"),
         )
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from exc

@@ -12,8 +12,8 @@ unchanged on NumPy, CuPy, PyTorch, JAX and array-api-strict.
 """
 
 from . import linalg
-from .optimizer import FISMO, FISMOState, InverseRootConfig, PolarConfig, state_dtype
+from .optimizer import FISMO, FISMOState, InverseRootConfig, InverseRootError, InverseRootWarning, PolarConfig, state_dtype
 
 __version__ = "0.1.0"
 
-__all__ = ["FISMO", "FISMOState", "InverseRootConfig", "PolarConfig", "__version__", "linalg", "state_dtype"]
+__all__ = ["FISMO", "FISMOState", "InverseRootConfig", "InverseRootError", "InverseRootWarning", "PolarConfig", "__version__", "linalg", "state_dtype"]

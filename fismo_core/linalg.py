@@ -136,6 +136,20 @@ def newton_schulz_schedule(
     return schedule, safety  # type: ignore[return-value]
 
 
+def _pow2_scale(X: Array) -> Array:
+    """Per matrix, the power of two ``s = 2^floor(log2 max|X|)`` if ``max|X| >= 2``, else ``1``; shape ``(..., 1, 1)``.
+
+    Dividing by ``s`` (and multiplying back) is exact in binary floating point,
+    barring underflow to subnormals, so a computation on ``X / s`` rescaled
+    afterwards rounds exactly as the computation on ``X`` wherever the latter
+    does not overflow; ``X / s`` has entries below 2, so its squares cannot.
+    Elementwise operations and one reduction: no host synchronisation.
+    """
+    xp = array_namespace(X)
+    amax = xp.max(xp.abs(X), axis=(-2, -1), keepdims=True)
+    return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, 1.0)))
+
+
 def _check_same_namespace_and_device(*arrays: Array) -> Any:
     """The common namespace of ``arrays``; a clear error if they mix libraries or devices."""
     try:
@@ -226,9 +240,14 @@ def polar(
     schedule, safety = newton_schulz_schedule(coefficients, steps)
     transposed = X.shape[-2] > X.shape[-1]
     Y = xp.matrix_transpose(X) if transposed else X
+    # ||Y||_F is taken of Y / s, s a power of two (_pow2_scale): the sum of squares cannot
+    # overflow, and where ||Y||_F does not overflow the result is bit for bit that of
+    # Y / max(safety ||Y||_F, eps) (scaling by a power of two is exact).
+    s = _pow2_scale(Y)
+    Y = Y / s
     norm = xp.linalg.matrix_norm(Y, keepdims=True)
     # maximum, not clip: array-api-compat's CuPy clip indexes with a mask, a host sync.
-    Y = Y / xp.maximum(safety * norm, eps)
+    Y = Y / xp.maximum(safety * norm, eps / s)
     for a, b, c in schedule:
         gram = Y @ xp.matrix_transpose(Y)
         Y = a * Y + (b * gram + c * (gram @ gram)) @ Y

@@ -395,6 +395,12 @@ SYNC_FREE_ON_CUPY = {
     "linalg.matrix_norm": "cupy.linalg.norm(ord='fro'): elementwise kernel and reduction",
     "linalg.eigh": "cuSOLVER syevd / syevjBatched; the info code is read back only under cupyx.errstate(linalg='raise')",
     "linalg.svd": "cuSOLVER gesvd / gesvdjBatched; the info code is read back only under cupyx.errstate(linalg='raise')",
+    # The overflow-safe power-of-two scale (linalg._pow2_scale) and the state's int32 counters (issue #6):
+    "int32": "a dtype",
+    "abs": "cupy.abs, an elementwise kernel",
+    "max": "cupy.max, a reduction kernel; the result stays on the device",
+    "log2": "an elementwise kernel",
+    "floor": "an elementwise kernel",
 }
 
 

@@ -358,7 +358,7 @@ def test_add_param_group_fills_each_algorithms_own_defaults():
         p.grad = torch.ones_like(p)
     opt.step()
     assert set(opt.state[b]) == {"step", "exp_avg", "exp_avg_sq"}
-    assert set(opt.state[V]) == {"step", "P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt"}
+    assert set(opt.state[V]) == {"step", "P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt", "skipped", "root_failures"}
     opt.zero_grad()
     assert all(p.grad is None for p in (W, b, V))
 

@@ -1,0 +1,297 @@
+"""Checkpoints (issue #6): a saved state resumes bit for bit; a state that does not fit is a clear error.
+
+* The core: ``FISMOState.to_dict()`` / ``FISMOState.from_dict(d, like=W)``,
+  through ``np.savez`` / ``np.load`` on every backend and through
+  ``torch.save`` / ``torch.load(weights_only=True)`` on torch.
+* The torch adapter: ``optimizer.state_dict()`` round trips are tested in
+  ``tests/test_torch_optimizer.py::test_state_dict_round_trip_resumes_bit_identically``
+  (model, optimizer and scheduler, bit for bit) and
+  ``::test_low_precision_parameters_keep_their_dtype_and_float32_statistics``
+  (bf16/fp16 statistics stay float32). Here: the new counters survive, a
+  checkpoint that does not fit the parameters is refused before anything
+  changes, and checkpoints from before the counters still load.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+
+from fismo_core import FISMO, FISMOState
+from fismo_core.testing import Target, reference_gradients, to_numpy
+
+FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt", "skipped", "root_failures")
+SHAPE = (2, 4, 6)
+
+
+def _exact_numpy(x):
+    """A backend array as a NumPy array of the same dtype (DLPack: no rounding, no widening)."""
+    return np.array(np.from_dlpack(x), copy=True)
+
+
+def _grads(steps: int) -> list:
+    """Seeded gradients; step 2 has a NaN in matrix 1, so that the skip counter is not all zero."""
+    grads = reference_gradients(SHAPE, steps, seed=40)
+    grads[2][1, 0, 0] = math.nan
+    return grads
+
+
+def _assert_same(state_a: FISMOState, state_b: FISMOState) -> None:
+    assert state_a.step == state_b.step
+    for f in FIELDS:
+        a, b = _exact_numpy(getattr(state_a, f)), _exact_numpy(getattr(state_b, f))
+        assert a.dtype == b.dtype and np.array_equal(a, b), f
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ====================================================================== the core
+def test_npz_round_trip_resumes_bit_identically(target: Target) -> None:
+    """Save W and the state after 3 of 6 steps with ``np.savez``, load them back onto the backend
+    (``from_dict(..., like=W)``), finish the run: every bit equals the uninterrupted run's."""
+    opt = FISMO(nonfinite="skip", weight_decay=0.1)
+    grads = _grads(6)
+    W0 = np.random.default_rng(41).standard_normal(SHAPE)
+
+    W = target.asarray(W0)
+    state = opt.init(W)
+    for G in grads:
+        W, state = opt.step(W, target.asarray(G), state)
+
+    W_r = target.asarray(W0)
+    state_r = opt.init(W_r)
+    for G in grads[:3]:
+        W_r, state_r = opt.step(W_r, target.asarray(G), state_r)
+    buffer = io.BytesIO()
+    np.savez(buffer, W=_exact_numpy(W_r), **{k: (_exact_numpy(v) if k in FIELDS else v) for k, v in state_r.to_dict().items()})
+    buffer.seek(0)
+    with np.load(buffer) as saved:
+        W_r = target.asarray(saved["W"])
+        state_r = FISMOState.from_dict({k: saved[k] for k in saved.files if k != "W"}, like=W_r)
+    assert _exact_numpy(state_r.skipped).tolist() == [0, 1]
+    for G in grads[3:]:
+        W_r, state_r = opt.step(W_r, target.asarray(G), state_r)
+    assert np.array_equal(_exact_numpy(W), _exact_numpy(W_r))
+    _assert_same(state, state_r)
+
+
+def test_to_dict_and_from_dict_in_memory_and_through_torch_save() -> None:
+    """``from_dict(to_dict())`` is the same state; a torch state goes through ``torch.save`` and
+    ``torch.load(weights_only=True)`` (plain tensors and ints) and resumes bit for bit."""
+    opt = FISMO(nonfinite="skip")
+    grads = _grads(4)
+    W = np.random.default_rng(42).standard_normal(SHAPE)
+    state = opt.init(W)
+    for G in grads[:3]:
+        W, state = opt.step(W, G, state)
+    d = state.to_dict()
+    assert set(d) == {*FISMOState._fields, "fismo_state_format"} and d["step"] == 3
+    _assert_same(FISMOState.from_dict(d, like=W), state)
+
+    torch = pytest.importorskip("torch")
+    W_t = torch.asarray(np.random.default_rng(43).standard_normal(SHAPE), dtype=torch.float32)
+    state_t = opt.init(W_t)
+    W_t, state_t = opt.step(W_t, torch.asarray(grads[0], dtype=torch.float32), state_t)
+    buffer = io.BytesIO()
+    torch.save(state_t.to_dict(), buffer)
+    buffer.seek(0)
+    loaded = FISMOState.from_dict(torch.load(buffer, weights_only=True), like=W_t)
+    _assert_same(loaded, state_t)
+    G = torch.asarray(grads[1], dtype=torch.float32)
+    _assert_same(opt.step(W_t, G, loaded)[1], opt.step(W_t, G, state_t)[1])
+
+
+def _saved(shape=SHAPE, dtype=np.float64) -> dict:
+    W = np.zeros(shape, dtype)
+    opt = FISMO()
+    return dict(opt.step(W, np.ones(shape, dtype), opt.init(W))[1].to_dict())
+
+
+@pytest.mark.parametrize(
+    "edit, like, exc, match",
+    [
+        (lambda d: d, np.zeros((2, 4, 7)), ValueError,
+         r"state\.Q has shape \(2, 6, 6\), but parameters of shape \(2, 4, 7\) need \(2, 7, 7\)"),
+        (lambda d: d, np.zeros((4, 6)), ValueError, r"state\.P has shape \(2, 4, 4\).*need \(4, 4\)"),
+        (lambda d: d, np.zeros(SHAPE, np.float32), TypeError,
+         r"state\.P has dtype float64, but parameters of dtype float32 keep their state in float32"),
+        (lambda d: {k: v for k, v in d.items() if k != "M"}, np.zeros(SHAPE), KeyError, r"missing \['M'\]"),
+        (lambda d: {k: v for k, v in d.items() if k != "step"}, np.zeros(SHAPE), KeyError, r"missing \['step'\]"),
+        (lambda d: {**d, "exp_avg": np.zeros(SHAPE)}, np.zeros(SHAPE), KeyError, r"unexpected keys \['exp_avg'\]"),
+        (lambda d: {**d, "skipped": np.zeros(3, np.int32)}, np.zeros(SHAPE), ValueError,
+         r"state\.skipped must be an integer array of shape \(2,\)"),
+        (lambda d: {**d, "root_failures": np.zeros(2)}, np.zeros(SHAPE), ValueError,
+         r"state\.root_failures must be an integer array"),
+        (lambda d: {**d, "step": 2.5}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got 2\.5"),
+        (lambda d: {**d, "step": -1}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0"),
+        (lambda d: {**d, "fismo_state_format": 99}, np.zeros(SHAPE), ValueError, r"unknown FISMO state format 99"),
+        (lambda d: list(d.items()), np.zeros(SHAPE), TypeError, r"d must be a mapping"),
+        (lambda d: d, [[0.0]], TypeError, r"like must be an array"),
+        (lambda d: d, np.zeros(SHAPE, np.int64), TypeError, r"like must have a real floating dtype"),
+    ],
+    ids=["other-n", "unbatched", "dtype", "missing-M", "missing-step", "extra-key", "counter-shape",
+         "counter-dtype", "fractional-step", "negative-step", "format", "not-a-mapping", "like-list", "like-int"],
+)
+def test_state_that_does_not_fit_is_refused(edit, like, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        FISMOState.from_dict(edit(_saved()), like=like)
+
+
+def test_counters_may_be_missing() -> None:
+    """A dict without the counters (written before they existed) loads with zero counters."""
+    d = {k: v for k, v in _saved().items() if k not in ("skipped", "root_failures", "fismo_state_format")}
+    state = FISMOState.from_dict(d, like=np.zeros(SHAPE))
+    assert state.skipped.dtype == np.int32 and state.skipped.tolist() == [0, 0] and state.root_failures.tolist() == [0, 0]
+
+
+# ================================================================ the torch adapter
+def _torch_setup(torch, hidden=4, nonfinite="skip"):
+    from fismo_core.backends.torch import FISMO as TorchFISMO
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3))
+    groups = [
+        {"params": [model[0].weight, model[2].weight]},
+        {"params": [model[0].bias, model[2].bias], "algorithm": "adamw"},
+    ]
+    return model, TorchFISMO(groups, lr=0.05, nonfinite=nonfinite)
+
+
+def _torch_train(torch, model, opt, seeds) -> None:
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        if seed == 2:
+            model[2].weight.grad[0, 0] = math.nan
+        opt.step()
+
+
+def test_torch_counters_survive_a_checkpoint() -> None:
+    """``skipped`` and ``root_failures`` are saved in ``state_dict()`` and come back as int32, and
+    the resumed run is bit for bit the uninterrupted one."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch)
+    _torch_train(torch, model, opt, range(6))
+
+    resumed, opt_r = _torch_setup(torch)
+    _torch_train(torch, resumed, opt_r, range(3))
+    buffer = io.BytesIO()
+    torch.save({"model": resumed.state_dict(), "opt": opt_r.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    fresh, opt_f = _torch_setup(torch)
+    fresh.load_state_dict(checkpoint["model"])
+    opt_f.load_state_dict(checkpoint["opt"])
+    state = opt_f.state[fresh[2].weight]
+    assert state["skipped"].dtype == torch.int32 and state["skipped"].item() == 1
+    assert state["root_failures"].dtype == torch.int32 and state["root_failures"].item() == 0
+    _torch_train(torch, fresh, opt_f, range(3, 6))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+    for key, value in opt.state[model[2].weight].items():
+        assert torch.equal(value, opt_f.state[fresh[2].weight][key]), key
+
+
+def _snapshot(torch, opt) -> list:
+    return [
+        [{k: v.clone() for k, v in opt.state[p].items()} for p in group["params"]] for group in opt.param_groups
+    ] + [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]]
+
+
+def _same(torch, a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(torch, a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(torch, x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _edit(saved: dict, param: int, key: str, value) -> dict:
+    state = {index: dict(s) for index, s in saved["state"].items()}
+    if value is None:
+        del state[param][key]
+    else:
+        state[param][key] = value
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda torch, saved, other: other, ValueError,
+         r"parameter 0 of param group 0 \(shape \(4, 5\)\) has shape \(4, 5\) \(optimised as the matrix 4x5\), "
+         r"so its state 'P' must have shape \(4, 4\); the checkpoint has \(6, 6\)"),
+        (lambda torch, saved, other: _edit(saved, 0, "P", None), KeyError, r"lacks \['P'\]"),
+        (lambda torch, saved, other: _edit(saved, 0, "M", torch.zeros(4, 5, dtype=torch.int64)), TypeError,
+         r"state 'M' of parameter 0 of param group 0 .* has dtype torch\.int64"),
+        (lambda torch, saved, other: _edit(saved, 1, "skipped", torch.zeros(2)), ValueError,
+         r"counter 'skipped' .* must be one integer"),
+        (lambda torch, saved, other: {"state": saved["state"], "param_groups": saved["param_groups"][::-1]},
+         ValueError, r"param group 0 is a FISMO group, but the checkpoint's group 0 is an 'adamw' group"),
+    ],
+    ids=["other-model", "missing-P", "integer-M", "counter", "groups-swapped"],
+)
+def test_torch_checkpoint_that_does_not_fit_is_refused(make, exc, match) -> None:
+    """A checkpoint for other shapes, with a missing or malformed tensor, or with the groups in
+    another order raises before anything is loaded: the optimizer keeps its state and groups."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch)
+    _torch_train(torch, model, opt, range(2))
+    other_model, other_opt = _torch_setup(torch, hidden=6)  # same structure, other sizes
+    _torch_train(torch, other_model, other_opt, range(2))
+    saved = opt.state_dict()
+    before = _snapshot(torch, opt)
+    with pytest.raises(exc, match=match):
+        opt.load_state_dict(make(torch, saved, other_opt.state_dict()))
+    assert _same(torch, before, _snapshot(torch, opt))
+
+
+def test_torch_checkpoint_from_before_the_counters_loads() -> None:
+    """A state_dict without the counters and without the ``nonfinite`` group key (as saved before
+    they existed) loads; the counters start at 0 and the run goes on. The state_dict comes from a
+    live optimizer, not from disk: the loaded state must not share tensors with it (FISMO writes
+    its state in place), so both then take the same step."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch, nonfinite="raise")
+    _torch_train(torch, model, opt, [0, 1])
+    saved = opt.state_dict()
+    old = {
+        "state": {i: {k: v for k, v in s.items() if k not in ("skipped", "root_failures")} for i, s in saved["state"].items()},
+        "param_groups": [{k: v for k, v in g.items() if k != "nonfinite"} for g in saved["param_groups"]],
+    }
+    fresh, opt_f = _torch_setup(torch, nonfinite="raise")
+    fresh.load_state_dict(model.state_dict())
+    opt_f.load_state_dict(old)
+    assert opt_f.state[fresh[0].weight]["skipped"].item() == 0
+    for key, value in opt_f.state[fresh[0].weight].items():
+        assert value.data_ptr() != opt.state[model[0].weight][key].data_ptr(), key
+    _torch_train(torch, fresh, opt_f, [3])
+    _torch_train(torch, model, opt, [3])
+    # The FISMO matrices only: torch.optim.AdamW's load_state_dict shares the loaded tensors with
+    # the source optimizer (torch's behaviour, kept bit for bit in "adamw" groups), so two live
+    # optimizers that shared a state_dict then disturb each other's AdamW state.
+    for layer in (0, 2):
+        assert torch.equal(model[layer].weight, fresh[layer].weight)
+
+
+def test_to_numpy_reads_counters() -> None:
+    """The testing helper reads the int32 counters of every backend (it widens to float64)."""
+    state = FISMO().init(np.zeros(SHAPE))
+    assert to_numpy(state.skipped).tolist() == [0.0, 0.0]
