@@ -77,6 +77,7 @@ def scale_by_fismo(
     polar: Union[PolarConfig, str, dict] = PolarConfig(),
     inv_root: Union[InverseRootConfig, str, dict] = InverseRootConfig(),
     nesterov: bool = False,
+    statistics: str = "printed",
     matrix_shape: MatrixShape = default_matrix_shape,
 ) -> optax.GradientTransformation:
     """FISMO's direction ``dW_t`` (lines 4-8 of Algorithm 1) for every leaf: not negated, not scaled.
@@ -87,7 +88,9 @@ def scale_by_fismo(
     """
     # The learning rate is applied by optax.scale_by_learning_rate; the core's
     # lr is unused by FISMO.direction.
-    core = FISMO(lr=1.0, beta=beta, gamma=gamma, mu=mu, polar=polar, inv_root=inv_root, nesterov=nesterov)
+    core = FISMO(
+        lr=1.0, beta=beta, gamma=gamma, mu=mu, polar=polar, inv_root=inv_root, nesterov=nesterov, statistics=statistics
+    )
 
     def init_fn(params: Any) -> ScaleByFismoState:
         return ScaleByFismoState(jax.tree.map(lambda p: core.init(_as_matrix(p, matrix_shape)), params))
@@ -120,6 +123,7 @@ def fismo(
     inv_root: Union[InverseRootConfig, str, dict] = InverseRootConfig(),
     weight_decay: float = 0.0,
     nesterov: bool = False,
+    statistics: str = "printed",
     non_matrix: Union[str, optax.GradientTransformation] = "adamw",
     matrix_mask: Optional[Any] = None,
     matrix_shape: MatrixShape = default_matrix_shape,
@@ -132,8 +136,8 @@ def fismo(
         ``eta``: a float or an optax schedule (a function of the step count).
         FISMO's directions have singular values near 1, so Muon-like values
         (about 0.02) are the starting point.
-    beta, gamma, mu, polar, inv_root, nesterov:
-        As in :class:`fismo_core.FISMO`.
+    beta, gamma, mu, polar, inv_root, nesterov, statistics:
+        As in [`fismo_core.FISMO`][fismo_core.FISMO].
     weight_decay:
         Decoupled weight decay of the matrix leaves:
         ``updates = -lr (dW + weight_decay W)``, which is the core's
@@ -192,7 +196,9 @@ def fismo(
                 )
         return out
 
-    matrix_tx = [scale_by_fismo(beta, gamma, mu, polar=polar, inv_root=inv_root, nesterov=nesterov, matrix_shape=matrix_shape)]
+    matrix_tx = [scale_by_fismo(
+            beta, gamma, mu, polar=polar, inv_root=inv_root, nesterov=nesterov, statistics=statistics, matrix_shape=matrix_shape
+        )]
     if weight_decay:
         matrix_tx.append(optax.add_decayed_weights(weight_decay))
     matrix_tx.append(optax.scale_by_learning_rate(learning_rate))

@@ -17,7 +17,7 @@ def test_readme_starts_with_main_job_and_test_commands() -> None:
     commands = _readme_commands()
     assert len(commands) >= 2, "README must open with the main-job and test commands"
     main_job, tests = commands[0], commands[1]
-    assert main_job.endswith("fismo verify")
+    assert main_job.endswith("fismo demo")
     assert tests.endswith("python -m pytest")
 
 

@@ -1,0 +1,398 @@
+"""Tables (markdown, CSV, JSON) and figures (PNG, matplotlib's Agg backend) of a demo's runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .optimizers import CONDITION_OPTIMIZERS, MUON_CONTROLS
+from .run import DemoResults
+from .train import RunResult
+
+__all__ = ["Summary", "summarise", "write_report"]
+
+_COLOURS = {
+    "FISMO": "tab:red",
+    "FISMO-SI": "tab:purple",
+    "Muon": "tab:blue",
+    "Muon-NS7": "tab:cyan",
+    "Muon-fp32": "tab:brown",
+    "AdamW": "tab:orange",
+    "SGD": "tab:gray",
+    "SOAP": "tab:green",
+}
+
+
+class Summary(dict):
+    """One table row: a task's optimizer at its selected learning rate, over seeds."""
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if math.isinf(x):
+        return "diverged"
+    return f"{x:.{digits}f}" if abs(x) >= 10 ** (-digits + 1) or x == 0 else f"{x:.2e}"
+
+
+def _sci(x: float) -> str:
+    if x is None or math.isnan(x):
+        return "–"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    if any(math.isinf(v) for v in values):
+        return math.inf, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _pm(values: Sequence[float], digits: int = 3) -> str:
+    mean, std = _mean_std(values)
+    if math.isnan(mean):
+        return "–"
+    if math.isinf(mean):
+        return f"diverged ({sum(math.isinf(v) for v in values)}/{len(values)})"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _selected(results: DemoResults, task: str, optimizer: str) -> list[RunResult]:
+    lr = results.best_lr.get((task, optimizer))
+    return sorted(
+        (r for r in results.runs if r.task == task and r.optimizer == optimizer and r.lr == lr), key=lambda r: r.seed
+    )
+
+
+def _tasks(results: DemoResults) -> list[tuple[str, str]]:
+    return [(plan.task.name, plan.task.title) for plan in results.config.plans]
+
+
+def _optimizers(results: DemoResults) -> list[str]:
+    return [o for o in results.config.optimizers if o not in results.skipped]
+
+
+def _controls(results: DemoResults) -> list[str]:
+    """The Muon controls that were run (they are run when Muon is)."""
+    return [c for c in MUON_CONTROLS if any(r.optimizer == c for r in results.runs)]
+
+
+def summarise(results: DemoResults) -> list[Summary]:
+    """One row per task and optimizer or control (selected lr, all seeds): final losses, accuracy, mean ± std."""
+    rows = []
+    for plan in results.config.plans:
+        task = plan.task.name
+        for opt in _optimizers(results) + _controls(results):
+            runs = _selected(results, task, opt)
+            val = [r.final_val_loss for r in runs]
+            mean, std = _mean_std(val)
+            acc = [r.final_val_acc for r in runs if not math.isnan(r.final_val_acc)]
+            acc_mean, acc_std = _mean_std(acc)
+            rows.append(
+                Summary(
+                    task=task,
+                    optimizer=opt,
+                    lr_grid=" ".join(f"{lr:g}" for lr in plan.lrs[opt]) if opt in plan.lrs else "Muon's",
+                    lr=results.best_lr[(task, opt)],
+                    seeds=len(runs),
+                    val_loss_mean=mean,
+                    val_loss_std=std,
+                    val_acc_mean=acc_mean,
+                    val_acc_std=acc_std,
+                    train_loss=_pm([r.final_train_loss for r in runs]),
+                    val_loss=_pm(val),
+                    val_acc=_pm(acc) if acc else "–",
+                    seconds_per_run=statistics.fmean(r.seconds for r in runs) if runs else math.nan,
+                )
+            )
+    return rows
+
+
+def _markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: Optional[str] = None) -> str:
+    align = align or ("l" + "r" * (len(header) - 1))
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summary_table(results: DemoResults, task: str) -> str:
+    """The headline table of a task: every optimizer at its selected lr, over seeds."""
+    rows = [s for s in summarise(results) if s["task"] == task]
+    with_acc = any(s["val_acc"] != "–" for s in rows)
+    ranked = sorted(rows, key=lambda s: s["val_loss_mean"])
+    header = ["optimizer", "lr grid", "selected lr", "held-out loss", *(["held-out accuracy"] if with_acc else []),
+              "training loss (last window)", "seeds", "s / run"]
+    body = [
+        [s["optimizer"], s["lr_grid"], f"{s['lr']:g}", s["val_loss"], *([s["val_acc"]] if with_acc else []),
+         s["train_loss"], s["seeds"], f"{s['seconds_per_run']:.1f}"]
+        for s in ranked
+    ]
+    return _markdown_table(header, body)
+
+
+def sweep_table(results: DemoResults, task: str) -> str:
+    """Final held-out loss of every sweep run (seed 0); the selected lr in bold."""
+    plan = next(p for p in results.config.plans if p.task.name == task)
+    width = max(len(plan.lrs[o]) for o in _optimizers(results))
+    body = []
+    for opt in _optimizers(results):
+        cells = []
+        for lr in plan.lrs[opt]:
+            run = next(r for r in results.runs if r.task == task and r.optimizer == opt and r.lr == lr and r.seed == 0)
+            cell = f"{lr:g}: {_fmt(run.final_val_loss)}"
+            cells.append(f"**{cell}**" if lr == results.best_lr[(task, opt)] else cell)
+        body.append([opt, *cells, *[""] * (width - len(cells))])
+    return _markdown_table(["optimizer", *[f"lr {i + 1}: held-out loss" for i in range(width)]], body)
+
+
+def condition_table(results: DemoResults, task: str) -> str:
+    """Mean condition number of the update matrices (seed 0, selected lr): first, median, last measurement."""
+    body = []
+    for opt in CONDITION_OPTIMIZERS:
+        runs = [r for r in _selected(results, task, opt) if r.seed == 0]
+        if not runs or not runs[0].history.kappa:
+            continue
+        h = runs[0].history
+        body.append([opt, f"{runs[0].lr:g}", _sci(h.kappa[0]), _sci(statistics.median(h.kappa)), _sci(h.kappa[-1])])
+    return _markdown_table(["optimizer", "lr", "κ at step 1", "median κ", "κ at the last step"], body)
+
+
+def preconditioner_table(results: DemoResults, task: str) -> str:
+    """FISMO's preconditioners as printed and scale-invariant (seed 0, selected lr), read from ``state[p]``."""
+    body = []
+    for opt in ("FISMO", "FISMO-SI"):
+        runs = [r for r in _selected(results, task, opt) if r.seed == 0]
+        if not runs or not runs[0].history.cond_P:
+            continue
+        h = runs[0].history
+        body.append([
+            opt, _sci(statistics.median(h.grad_rms)), _sci(h.cond_P[-1]), _sci(max(h.cond_P)), _sci(h.cond_Q[-1]),
+            _sci(h.P_dev[-1]), _sci(max(h.P_dev)), _sci(h.Q_dev[-1]),
+        ])
+    header = ["statistics", "median gradient RMS σ", "cond(P) last", "cond(P) max", "cond(Q) last",
+              "‖P−I‖/√m last", "‖P−I‖/√m max", "‖Q−I‖/√n last"]
+    return _markdown_table(header, body)
+
+
+# ---------------------------------------------------------------- figures
+def _save(fig: Any, path: Path) -> None:
+    """Save as a small PNG: 80 dpi, reduced to a 256-colour palette (Pillow comes with matplotlib)."""
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80)
+    plt.close(fig)
+    buffer.seek(0)
+    Image.open(buffer).convert("RGB").quantize(colors=256).save(path, optimize=True)
+
+
+def _mean_curve(
+    runs: list[RunResult], attr: str, step_attr: str
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, and the mean, minimum and maximum over ``runs`` of the curve ``attr``."""
+    steps = getattr(runs[0].history, step_attr)
+    curves = [getattr(r.history, attr) for r in runs if len(getattr(r.history, attr)) == len(steps)]
+    if not curves:
+        return [], [], [], []
+    mean = [statistics.fmean(c[i] for c in curves) for i in range(len(steps))]
+    low = [min(c[i] for c in curves) for i in range(len(steps))]
+    high = [max(c[i] for c in curves) for i in range(len(steps))]
+    return steps, mean, low, high
+
+
+def _plot_losses(results: DemoResults, task: str, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    has_acc = any(r.task == task and not math.isnan(r.final_val_acc) for r in results.runs)
+    panels = [("train_loss", "training loss"), ("val_loss", "held-out loss")]
+    if has_acc:
+        panels.append(("val_acc", "held-out accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), constrained_layout=True)
+    for ax, (attr, label) in zip(axes, panels):
+        for opt in _optimizers(results):
+            runs = [r for r in _selected(results, task, opt) if not r.diverged]
+            if not runs:
+                continue
+            steps, mean, low, high = _mean_curve(runs, attr, "eval_step")
+            if attr == "train_loss":  # the first point is the held-out loss at initialisation
+                steps, mean, low, high = steps[1:], mean[1:], low[1:], high[1:]
+            colour = _COLOURS.get(opt)
+            ax.plot(steps, mean, label=f"{opt} (lr {runs[0].lr:g})", color=colour, lw=1.4)
+            if len(runs) > 1:
+                ax.fill_between(steps, low, high, color=colour, alpha=0.15, lw=0)
+        ax.set_xlabel("step")
+        ax.set_title(label, fontsize=10)
+        if attr != "val_acc":
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(0.8, 1.0)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    n = max((len(_selected(results, task, o)) for o in _optimizers(results)), default=0)
+    fig.suptitle(f"{title}: mean over {n} seeds (band: min–max), selected lr", fontsize=10)
+    _save(fig, path)
+
+
+def _plot_condition(results: DemoResults, task: str, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), constrained_layout=True)
+    for opt in CONDITION_OPTIMIZERS:
+        runs = [r for r in _selected(results, task, opt) if r.seed == 0]
+        if not runs or not runs[0].history.kappa:
+            continue
+        h = runs[0].history
+        ax.plot(h.measure_step, h.kappa, marker=".", label=f"{opt} (lr {runs[0].lr:g})", color=_COLOURS.get(opt))
+    ax.axhline(1.0, color="k", lw=0.8, ls=":", label="exact polar factor (κ = 1)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean κ(ΔW / lr) over hidden matrices")
+    ax.set_title(f"{title}: condition number of the updates (seed 0)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _plot_preconditioners(results: DemoResults, task: str, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12.0, 3.3), constrained_layout=True)
+    for opt in ("FISMO", "FISMO-SI"):
+        runs = [r for r in _selected(results, task, opt) if r.seed == 0]
+        if not runs or not runs[0].history.cond_P:
+            continue
+        h, colour = runs[0].history, _COLOURS[opt]
+        axes[0].plot(h.measure_step, h.cond_P, color=colour, label=f"{opt}: cond(P)")
+        axes[0].plot(h.measure_step, h.cond_Q, color=colour, ls="--", label=f"{opt}: cond(Q)")
+        axes[1].plot(h.measure_step, h.P_dev, color=colour, label=f"{opt}: ‖P−I‖/√m")
+        axes[1].plot(h.measure_step, h.Q_dev, color=colour, ls="--", label=f"{opt}: ‖Q−I‖/√n")
+        axes[2].plot(h.measure_step, h.grad_rms, color=colour, label=opt)
+    titles = ("condition numbers (mean over matrices)", "distance from the identity", "gradient RMS σ")
+    for ax, label in zip(axes, titles):
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{title}: FISMO's preconditioners, printed vs scale-invariant statistics (seed 0)", fontsize=10)
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------- files
+def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def environment() -> str:
+    """Python, torch, CPU count and threads: the line every results file starts with."""
+    return (
+        f"Python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, one torch thread per run"
+    )
+
+
+def write_report(results: DemoResults, out: Path, command: str) -> str:
+    """Write ``report.md``, ``summary.csv``, ``runs.csv``, ``curves.csv``, ``results.json`` and the PNGs to ``out``.
+
+    Returns the markdown report (also printed by the CLI).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        plots = False
+    else:
+        matplotlib.use("Agg")
+        plots = True
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [
+        "# fismo demo results",
+        "",
+        f"Command: `{command}`  ",
+        f"Wall time: {results.seconds:.0f} s ({results.config.jobs} parallel jobs); {environment()}.",
+    ]
+    for name, reason in results.skipped.items():
+        parts.append(f"\n**{name} skipped**: {reason}.")
+    if not plots:
+        parts.append("\n**Figures skipped**: matplotlib is not installed (pip install matplotlib).")
+    for task, title in _tasks(results):
+        plan = next(p for p in results.config.plans if p.task.name == task)
+        figures = [("loss", _plot_losses), ("condition", _plot_condition)]
+        if any(r.task == task and r.history.cond_P for r in results.runs):  # FISMO was run
+            figures.append(("preconditioner", _plot_preconditioners))
+        for kind, plot in figures if plots else ():
+            plot(results, task, title, out / f"{task}_{kind}.png")
+        parts += [
+            "",
+            f"## {title}",
+            "",
+            f"{plan.task.describe()}; {plan.steps} steps, warm-up {plan.warmup} steps then cosine to 10 % of the lr; "
+            f"AdamW lr {plan.adamw_lr:g} for the non-matrix parameters of FISMO and Muon.",
+            "",
+            "Selected learning rate of each optimizer, final numbers over seeds (mean ± std):",
+            "",
+            summary_table(results, task),
+            "",
+            "Sweep (seed 0), final held-out loss at each learning rate:",
+            "",
+            sweep_table(results, task),
+            "",
+            "Condition number of the updates of the hidden matrices:",
+            "",
+            condition_table(results, task),
+            "",
+            "FISMO's preconditioners:",
+            "",
+            preconditioner_table(results, task),
+        ]
+        if plots:
+            parts += ["", *(f"![{task} {kind}]({task}_{kind}.png)" for kind, _ in figures)]
+    report = "\n".join(parts) + "\n"
+    (out / "report.md").write_text(report)
+
+    rows = summarise(results)
+    keys = ["task", "optimizer", "lr_grid", "lr", "seeds", "val_loss_mean", "val_loss_std", "val_acc_mean",
+            "val_acc_std", "seconds_per_run"]
+    _write_csv(out / "summary.csv", keys, ([s[k] for k in keys] for s in rows))
+    run_keys = ["task", "optimizer", "lr", "seed", "steps", "final_val_loss", "final_val_acc", "final_train_loss",
+                "diverged", "seconds"]
+    _write_csv(out / "runs.csv", run_keys, ([getattr(r, k) for k in run_keys] for r in results.runs))
+    curve_rows = []
+    for r in results.runs:
+        h = r.history
+        for attr, step_attr in (("train_loss", "eval_step"), ("val_loss", "eval_step"), ("val_acc", "eval_step"),
+                                ("kappa", "measure_step"), ("grad_rms", "measure_step"), ("cond_P", "measure_step"),
+                                ("cond_Q", "measure_step"), ("P_dev", "measure_step"), ("Q_dev", "measure_step")):
+            for step, value in zip(getattr(h, step_attr), getattr(h, attr)):
+                curve_rows.append([r.task, r.optimizer, r.lr, r.seed, attr, step, value])
+    _write_csv(out / "curves.csv", ["task", "optimizer", "lr", "seed", "metric", "step", "value"], curve_rows)
+    payload = {
+        "command": command,
+        "seconds": results.seconds,
+        "environment": environment(),
+        "python": sys.version,
+        "skipped": results.skipped,
+        "best_lr": [{"task": t, "optimizer": o, "lr": lr} for (t, o), lr in results.best_lr.items()],
+        "runs": [r.to_dict() for r in results.runs],
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
+    return report
