@@ -626,9 +626,8 @@ class FISMO(Optimizer):
             init = core.init(torch.empty(G.shape, dtype=p.dtype, device=G.device))
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["P"], state["Q"], state["M"] = init.P, init.Q, init.M
-            # The core's initial state shares P_0 = I between P and its root; in-place
-            # updates need distinct tensors.
-            state["P_inv_sqrt"], state["Q_inv_sqrt"] = init.P_inv_sqrt.clone(), init.Q_inv_sqrt.clone()
+            # The core returns the roots as arrays of their own, so in-place updates never alias P.
+            state["P_inv_sqrt"], state["Q_inv_sqrt"] = init.P_inv_sqrt, init.Q_inv_sqrt
         for key in COUNTER_KEYS:  # also for states from before the counters existed
             if key not in state:
                 state[key] = torch.zeros((), dtype=torch.int32, device=state["P"].device)
