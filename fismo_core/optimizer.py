@@ -449,18 +449,21 @@ class FISMO:
         else:
             eye_m = xp.eye(m, dtype=G.dtype, device=device(G))
             eye_n = xp.eye(n, dtype=G.dtype, device=device(G))
-            G_stat = G  # the gradient in the Gram products of lines 4-5
+            # The gradient in the Gram products of lines 4-5 is G_stat = G / stat_scale, one
+            # positive scale per matrix, so that P_t^{-1/2} G_stat = (P_t^{-1/2} G) / stat_scale.
+            stat_scale = xp.ones_like(G[..., :1, :1])
             if self.statistics == "scale_invariant":  # G / rms(G), per matrix; a zero G stays zero
-                # On G / 2^k so the sum of squares cannot overflow; the power of two cancels exactly.
-                G_pow2 = G / linalg._pow2_scale(G)
-                rms = xp.sqrt(xp.sum(G_pow2 * G_pow2, axis=(-2, -1), keepdims=True) / (m * n))
-                G_stat = G_pow2 / xp.where(rms > 0, rms, xp.ones_like(rms))
+                # rms on G / 2^k so the sum of squares cannot overflow; the power of two cancels exactly.
+                pow2 = linalg._pow2_scale(G)
+                rms = xp.sqrt(xp.sum((G / pow2) ** 2, axis=(-2, -1), keepdims=True) / (m * n))
+                stat_scale = pow2 * xp.where(rms > 0, rms, xp.ones_like(rms))
+            G_stat = G / stat_scale
             # Overflow-safe statistics: the Gram products are formed from G_stat / s, s a power of
             # two per matrix (1 unless max|G_stat| >= 2), and the EMA from P_{t-1} / s^2 and
             # Q_{t-1} / s^2. That is P~_t / s^2, which trace normalisation maps to the same P_t;
             # bit for bit the unscaled result unless that overflows (docs/guarantees.md).
             s = linalg._pow2_scale(G_stat)
-            G_stat, P, Q = G_stat / s, P / s / s, Q / s / s
+            G_stat, P, Q, stat_scale = G_stat / s, P / s / s, Q / s / s, stat_scale * s
             # Line 4: L_t = G Q_{t-1}^{-1} G^T / n + mu tr(P_{t-1})/m I_m.
             G_Q_is = G_stat @ Q_is
             L = (G_Q_is @ xp.matrix_transpose(G_Q_is)) / n + (self.mu * xp.linalg.trace(P) / m)[..., None, None] * eye_m
@@ -468,7 +471,7 @@ class FISMO:
             P_new, P_is, P_failed = self._inverse_root(xp, P_new, state.P, state.P_inv_sqrt, "P")
             # Line 5: R_t = G^T P_t^{-1} G / m + mu tr(Q_{t-1})/n I_n.
             P_is_G = P_is @ G
-            P_is_G_stat = P_is_G / s if self.statistics == "printed" else P_is @ G_stat
+            P_is_G_stat = P_is_G / stat_scale
             R = (xp.matrix_transpose(P_is_G_stat) @ P_is_G_stat) / m
             R = R + (self.mu * xp.linalg.trace(Q) / n)[..., None, None] * eye_n
             Q_new = linalg.sym(linalg.trace_normalize(self.gamma * Q + (1 - self.gamma) * R))

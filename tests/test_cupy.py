@@ -384,6 +384,7 @@ SYNC_FREE_ON_CUPY = {
     "eye": "cupy.eye, on CuPy's current device (array-api-compat ignores device= for CuPy)",
     "zeros": "cupy.zeros, on CuPy's current device",
     "zeros_like": "cupy.zeros_like",
+    "ones_like": "cupy.ones_like, an allocation kernel",
     "astype": "ndarray.astype, a device kernel",
     "matrix_transpose": "swapaxes, a view",
     "sqrt": "an elementwise kernel",
