@@ -40,3 +40,22 @@ def target64(request: pytest.FixtureRequest) -> Target:
 def xp(target: Target):
     """The array namespace of ``target``."""
     return target.xp
+
+
+@pytest.fixture(scope="module")
+def single_threaded_torch():
+    """torch on one thread for a module of tiny-matrix tests, restored afterwards.
+
+    On a busy 2-core machine (XLA's thread pool is alive once JAX has run)
+    torch's spinning OpenMP workers made single tests 10-100x slower; the
+    arithmetic of these small products does not depend on the thread count.
+    """
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -34,24 +34,7 @@ from fismo_core.testing import (
 STEPS = 50
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_torch():
-    """torch on one thread while this module runs (restored afterwards).
-
-    The matrices here are at most 24 x 24: intra-op threads add only
-    synchronisation, and on a busy 2-core machine (XLA's thread pool is alive
-    once JAX has run) torch's spinning OpenMP workers made single tests 10-100x
-    slower. The arithmetic of these tiny products does not depend on it.
-    """
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 STATE_FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
 SHAPE_IDS = ["x".join(map(str, s)) for s in VERIFY_SHAPES]
 

@@ -33,18 +33,7 @@ AVAILABLE = [t for t in targets() if t.available]
 UNAVAILABLE = [t for t in targets() if not t.available]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_torch():
-    """torch on one thread here, as in test_backends.py (tiny matrices; see there)."""
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
 @pytest.fixture(scope="module")
