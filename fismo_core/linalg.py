@@ -17,14 +17,16 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from array_api_compat import array_namespace, device
 
 __all__ = [
+    "CUBIC_COEFFICIENTS",
     "MUON_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "inverse_sqrt",
+    "inverse_sqrt_steps",
     "newton_schulz_schedule",
     "polar",
     "sym",
@@ -35,7 +37,7 @@ __all__ = [
 Array = Any
 """Any array of an array-API-compatible library."""
 
-Coefficients = Union[Literal["muon", "polar_express"], Sequence[Sequence[float]]]
+Coefficients = Union[Literal["muon", "polar_express", "cubic"], Sequence[Sequence[float]]]
 
 #: Keller Jordan's quintic for Muon, (a, b, c) of p(x) = a x + b x^3 + c x^5,
 #: used unchanged at every step (as in ``torch.optim.Muon``).
@@ -65,11 +67,21 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = tuple(
     for a, b, c in _POLAR_EXPRESS_RAW[:-1]
 ) + (_POLAR_EXPRESS_RAW[-1],)
 
+#: The classical cubic Newton–Schulz step ``p(x) = (3x - x^3) / 2`` as an (a, b, c)
+#: triple: it converges quadratically to 1 on ``(0, sqrt(3))``. As a schedule of
+#: ``inverse_sqrt`` it is the coupled iteration of Higham (2008), eq. 6.35.
+CUBIC_COEFFICIENTS: tuple[tuple[float, float, float], ...] = ((1.5, -0.5, 0.0),)
+
 # Frobenius-norm divisor safety factor of each named schedule: Polar Express
 # divides by 1.01 * ||X||_F so that round-off cannot push a singular value
-# above 1, where its first polynomials blow up; Muon divides by ||X||_F.
-_NORMALIZATION_SAFETY = {"muon": 1.0, "polar_express": _POLAR_EXPRESS_SAFETY}
-_NAMED_SCHEDULES = {"muon": MUON_COEFFICIENTS, "polar_express": POLAR_EXPRESS_COEFFICIENTS}
+# above 1, where its first polynomials blow up; Muon and the cubic divide by ||X||_F.
+_NORMALIZATION_SAFETY = {"muon": 1.0, "polar_express": _POLAR_EXPRESS_SAFETY, "cubic": 1.0}
+_NAMED_SCHEDULES = {"muon": MUON_COEFFICIENTS, "polar_express": POLAR_EXPRESS_COEFFICIENTS, "cubic": CUBIC_COEFFICIENTS}
+
+#: Default ``inverse_sqrt`` step count of each convergent schedule: enough to reach
+#: float64 precision for ``kappa' = ||A||_F / lambda_min`` up to 1e6 (the design
+#: interval of Polar Express) in exact arithmetic; see ``inverse_sqrt``.
+INVERSE_SQRT_STEPS = {"polar_express": 9, "cubic": 22}
 
 
 def sym(X: Array) -> Array:
@@ -118,7 +130,7 @@ def newton_schulz_schedule(
         if coefficients not in _NAMED_SCHEDULES:
             raise ValueError(
                 f"unknown Newton–Schulz coefficients {coefficients!r}: use 'muon', "
-                "'polar_express' or a sequence of (a, b, c) triples"
+                "'polar_express', 'cubic' or a sequence of (a, b, c) triples"
             )
         triples = _NAMED_SCHEDULES[coefficients]
         safety = _NORMALIZATION_SAFETY[coefficients]
@@ -258,7 +270,8 @@ def inverse_sqrt(
     A: Array,
     *,
     method: Literal["eigh", "newton_schulz"] = "eigh",
-    steps: int = 30,
+    steps: Optional[int] = None,
+    coefficients: Coefficients = "polar_express",
 ) -> Array:
     """Inverse principal square root ``A^{-1/2}`` of symmetric positive definite ``A``.
 
@@ -268,26 +281,49 @@ def inverse_sqrt(
         Symmetric positive definite, shape ``(..., d, d)``, real floating.
     method:
         ``"eigh"``: exact, ``V diag(w^{-1/2}) V^T`` from ``A = V diag(w) V^T``.
-        ``"newton_schulz"``: matmul-only coupled Newton–Schulz iteration
-        (Higham, *Functions of Matrices*, 2008, eq. 6.35). With
-        ``c = ||A||_F`` (at least the largest eigenvalue, so the spectrum of
-        ``A / c`` lies in ``(0, 1]``), ``Y_0 = A / c``, ``Z_0 = I`` and
-        ``T_k = (3 I - Z_k Y_k) / 2``, ``Y_{k+1} = Y_k T_k``,
-        ``Z_{k+1} = T_k Z_k``; ``Z_k -> (A / c)^{-1/2}`` and the result is
-        ``Z / sqrt(c)``. Three matmuls per step.
+        ``"newton_schulz"``: matmul-only, the coupled Newton–Schulz iteration
+        (Higham, *Functions of Matrices*, 2008, eq. 6.35) with a polynomial
+        schedule. With ``c = safety^2 ||A||_F`` (at least the largest
+        eigenvalue, so the spectrum of ``A / c`` lies in ``(0, 1]``),
+        ``Y_0 = A / c`` and ``Z_0 = I``, each step is
+        ``T = a I + b Z Y + c (Z Y)^2``, ``Y <- Y T``, ``Z <- T Z``, and the
+        result is ``Z / sqrt(c)``. An eigenvalue ``x`` of ``A / c`` evolves as
+        ``x <- x (a + b x + c x^2)^2``: in ``s = sqrt(x)`` that is the polar
+        iteration ``s <- a s + b s^3 + c s^5`` of [`polar`][fismo_core.linalg.polar],
+        so the same schedules apply. Four matrix products per step (three
+        for the cubic; the first step and the last need one fewer).
     steps:
-        Newton–Schulz steps (ignored by ``"eigh"``).
+        Newton–Schulz steps (ignored by ``"eigh"``). Default: the schedule's
+        own count, 9 for ``"polar_express"``, 22 for ``"cubic"`` (both reach
+        float64 precision for ``kappa'`` up to 1e6, see below), or the length
+        of an explicit sequence.
+    coefficients:
+        ``"polar_express"`` (default): the schedule of Amsel et al. (2025),
+        see [`POLAR_EXPRESS_COEFFICIENTS`][fismo_core.linalg.POLAR_EXPRESS_COEFFICIENTS],
+        with its 1.01 safety factor. ``"cubic"``: the classical step
+        ``T = (3 I - Z Y) / 2`` at every step. Or an explicit sequence of
+        ``(a, b, c)`` triples (the last repeats). ``"muon"`` is refused: it
+        does not converge, and an inverse square root has to.
 
     Accuracy of ``"newton_schulz"``
     -------------------------------
-    An eigenvalue ``x = lambda / c`` evolves as ``x <- x (3 - x)^2 / 4``: a small
-    one grows by 9/4 per step until it nears 1, then converges quadratically.
-    In exact arithmetic the scalar reaches 1 to double precision after 11
-    steps for ``kappa' = ||A||_F / lambda_min = 1e2``, 17 for ``1e4``, 22 for
-    ``1e6`` and 28 for ``1e8`` (about ``log(kappa') / log(2.25) + 6``). The
-    default of 30 steps covers ``kappa'`` up to ``1e8``; surplus steps cost
-    time, not accuracy. Errors against ``"eigh"`` measured in floating point
-    are in ``docs/linalg.md`` and tested in ``tests/test_linalg.py``.
+    The step count depends on ``kappa' = ||A||_F / lambda_min``, which is at
+    least the condition number, not on the size of ``A``. In exact arithmetic
+    every eigenvalue reaches 1 to float64 precision after these many steps:
+
+    ===================  ===  ===  ===  ===  ===
+    kappa'               1e2  1e4  1e6  1e7  1e8
+    ===================  ===  ===  ===  ===  ===
+    ``"polar_express"``  9    9    9    11   12
+    ``"cubic"``          11   17   22   25   28
+    ===================  ===  ===  ===  ===  ===
+
+    (The cubic: a small eigenvalue grows by 9/4 per step, then converges
+    quadratically, about ``log(kappa') / log(2.25) + 6`` steps. Polar Express
+    is optimal for ``kappa'`` up to 1e6, its design interval, and needs one
+    step fewer, 8, for float32 precision.) Surplus steps cost time, not
+    accuracy. Errors against ``"eigh"`` measured in floating point are in
+    ``docs/linalg.md`` and tested in ``tests/test_linalg.py``.
     """
     xp = _check_float_matrices(A, "A", square=True)
     if method == "eigh":
@@ -295,15 +331,35 @@ def inverse_sqrt(
         return (V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V)
     if method != "newton_schulz":
         raise ValueError(f"unknown inverse_sqrt method {method!r}: use 'eigh' or 'newton_schulz'")
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    d = A.shape[-1]
-    identity = xp.eye(d, dtype=A.dtype, device=device(A))
-    scale = xp.linalg.matrix_norm(A, keepdims=True)
+    schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
+    identity = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
+    scale = safety**2 * xp.linalg.matrix_norm(A, keepdims=True)
     Y = A / scale
-    Z = identity + xp.zeros_like(A)
-    for _ in range(steps):
-        T = (3 * identity - Z @ Y) / 2
-        Y = Y @ T
-        Z = T @ Z
+    Z = None  # Z_0 = I, so the first step needs neither Z Y nor T Z
+    for k, (a, b, c) in enumerate(schedule):
+        X = Y if Z is None else Z @ Y
+        T = a * identity + b * X
+        if c:
+            T = T + c * (X @ X)
+        if k < len(schedule) - 1:  # the last step's Y is never used
+            Y = Y @ T
+        Z = T if Z is None else T @ Z
     return Z / xp.sqrt(scale)
+
+
+def inverse_sqrt_steps(coefficients: Coefficients, steps: Optional[int] = None) -> int:
+    """The Newton–Schulz step count ``inverse_sqrt`` uses: ``steps``, or the schedule's default.
+
+    Raises ``ValueError`` for ``"muon"`` (not convergent) and for malformed
+    coefficients or steps.
+    """
+    if isinstance(coefficients, str) and coefficients == "muon":
+        raise ValueError(
+            "coefficients='muon' does not converge (p(1) = 0.70), and an inverse square root must: "
+            "use 'polar_express', 'cubic' or explicit (a, b, c) triples"
+        )
+    if steps is None:
+        newton_schulz_schedule(coefficients, 1)  # an unknown name or a malformed sequence is an error here
+        return INVERSE_SQRT_STEPS[coefficients] if isinstance(coefficients, str) else len(tuple(coefficients))
+    newton_schulz_schedule(coefficients, steps)  # validates both
+    return steps

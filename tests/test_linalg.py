@@ -29,9 +29,12 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fismo_core.linalg import (
+    CUBIC_COEFFICIENTS,
+    INVERSE_SQRT_STEPS,
     MUON_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     inverse_sqrt,
+    inverse_sqrt_steps,
     newton_schulz_schedule,
     polar,
     sym,
@@ -67,8 +70,16 @@ PAPER_POLAR_EXPRESS = tuple(
     (a / PAPER_SAFETY, b / PAPER_SAFETY**3, c / PAPER_SAFETY**5) for a, b, c in PAPER_POLAR_EXPRESS_RAW[:-1]
 ) + (PAPER_POLAR_EXPRESS_RAW[-1],)
 
+#: The classical Newton–Schulz step p(x) = (3x - x^3)/2 (Higham, "Functions of Matrices", 2008,
+#: eq. 5.22 for the sign, eq. 6.35 for the coupled square root).
+CLASSICAL_CUBIC = (1.5, -0.5, 0.0)
+
 #: (schedule, normaliser safety) by name, from the sources above.
-PAPER_SCHEDULES = {"muon": ((JORDAN_MUON,), 1.0), "polar_express": (PAPER_POLAR_EXPRESS, PAPER_SAFETY)}
+PAPER_SCHEDULES = {
+    "muon": ((JORDAN_MUON,), 1.0),
+    "polar_express": (PAPER_POLAR_EXPRESS, PAPER_SAFETY),
+    "cubic": ((CLASSICAL_CUBIC,), 1.0),
+}
 
 
 # --- Helpers ------------------------------------------------------------------------------------
@@ -163,6 +174,7 @@ def inverse_sqrt_reference(A: np.ndarray) -> np.ndarray:
 
 def test_schedule_constants_match_the_papers() -> None:
     assert MUON_COEFFICIENTS == (JORDAN_MUON,)
+    assert CUBIC_COEFFICIENTS == (CLASSICAL_CUBIC,)
     assert len(POLAR_EXPRESS_COEFFICIENTS) == 8
     # The module divides by the same float powers of 1.01: agreement to 1 ulp is expected.
     np.testing.assert_allclose(np.array(POLAR_EXPRESS_COEFFICIENTS), np.array(PAPER_POLAR_EXPRESS), rtol=2 * EPS["float64"], atol=0)
@@ -170,7 +182,7 @@ def test_schedule_constants_match_the_papers() -> None:
     assert POLAR_EXPRESS_COEFFICIENTS[-1] == (15 / 8, -10 / 8, 3 / 8)
 
 
-@pytest.mark.parametrize("name", ["muon", "polar_express"])
+@pytest.mark.parametrize("name", ["muon", "polar_express", "cubic"])
 def test_newton_schulz_schedule_repeats_last_triple(name: str) -> None:
     triples, safety = PAPER_SCHEDULES[name]
     schedule, got_safety = newton_schulz_schedule(name, 11)
@@ -498,15 +510,40 @@ def symmetry_tolerance(dtype: str, kappa_f: float) -> float:
     return EPS[dtype] * (10 + 0.5 * kappa_f)
 
 
+def scalar_inverse_sqrt_steps(kappa_f: float, name: str, tol: Decimal = Decimal(2) ** -52) -> int:
+    """Steps until both ends of the spectrum of A / c reach 1 within ``tol`` (50-digit decimals).
+
+    An eigenvalue x of A / c, c = safety^2 ||A||_F, maps as x <- x (a + b x + c x^2)^2 under the
+    published triples; the ends are x = 1 / (safety^2 kappa') and at most 1 / safety^2.
+    """
+    triples, safety = PAPER_SCHEDULES[name]
+    with localcontext() as ctx:
+        ctx.prec = 50
+        s2 = Decimal(safety) ** 2
+        ends, k = [1 / (s2 * Decimal(kappa_f)), 1 / s2], 0
+        while any(abs(1 - x) > tol for x in ends):
+            a, b, c = (Decimal(v) for v in triple_at(triples, k))
+            ends = [x * (a + b * x + c * x * x) ** 2 for x in ends]
+            k += 1
+        return k
+
+
+INV_SQRT_SCHEDULES = ("polar_express", "cubic")
+
+
+@pytest.mark.parametrize("coefficients", INV_SQRT_SCHEDULES)
 @pytest.mark.parametrize("kappa", INV_SQRT_KAPPAS)
-def test_inverse_sqrt_newton_schulz_matches_eigh(target: Target, kappa: float) -> None:
+def test_inverse_sqrt_newton_schulz_matches_eigh(target: Target, kappa: float, coefficients: str) -> None:
+    """Each schedule with its default step count (enough up to kappa' = 1e6; beyond, the count the
+    scalar map asks for) is as accurate as eigh, against the float64 reference."""
     skip_unrepresentable(target, kappa)
     A64 = spd_batch(kappa)
     A_r = rounded(A64, target)  # the input as the backend stores it
     reference = inverse_sqrt_reference(A_r)
     kf = float(np.max(kappa_frobenius(A_r)))
     A = target.asarray(A64)
-    ns = to_numpy(inverse_sqrt(A, method="newton_schulz"))
+    steps = None if kf <= 1e6 else scalar_inverse_sqrt_steps(kf, coefficients)
+    ns = to_numpy(inverse_sqrt(A, method="newton_schulz", coefficients=coefficients, steps=steps))
     eig = to_numpy(inverse_sqrt(A, method="eigh"))
     tol = inv_sqrt_tolerance(target.dtype, kf)
     assert np.max(rel_err(ns, eig)) <= tol, f"NS vs eigh {np.max(rel_err(ns, eig)):.2e} > {tol:.1e} (kappa' {kf:.1e})"
@@ -520,44 +557,63 @@ def test_inverse_sqrt_newton_schulz_matches_eigh(target: Target, kappa: float) -
         assert np.max(asym) <= symmetry_tolerance(target.dtype, kf)
 
 
-def scalar_steps_to_double_precision(kappa_f: float) -> int:
-    """Steps of x <- x (3 - x)^2 / 4 from x = 1/kappa' until 1 - x <= eps_64 (50-digit decimals)."""
-    with localcontext() as ctx:
-        ctx.prec = 50
-        x, k = 1 / Decimal(kappa_f), 0
-        while 1 - x > Decimal(2) ** -52:
-            x = x * (3 - x) ** 2 / 4
-            k += 1
-        return k
-
-
+@pytest.mark.parametrize("coefficients", INV_SQRT_SCHEDULES)
 @pytest.mark.parametrize("kappa", INV_SQRT_KAPPAS[1:])
-def test_inverse_sqrt_newton_schulz_step_count_follows_the_scalar_map(target64: Target, kappa: float) -> None:
-    """The scalar count of the docstring suffices on matrices; two steps fewer do not."""
+def test_inverse_sqrt_newton_schulz_step_count_follows_the_scalar_map(
+    target64: Target, kappa: float, coefficients: str
+) -> None:
+    """The scalar count suffices on matrices; two steps fewer do not."""
     A64 = spd_batch(kappa)
     A = target64.asarray(A64)
     reference = inverse_sqrt_reference(A64)
     kf = float(np.max(kappa_frobenius(A64)))
-    steps = scalar_steps_to_double_precision(kf)  # 12, 17, 23, 28 for kappa' = 1.5e2, 1.2e4, 1.1e6, 1.05e8
+    # Cubic: 12, 17, 23, 28 steps for kappa' = 1.5e2, 1.2e4, 1.1e6, 1.05e8; Polar Express 9, 9, 10, 12.
+    steps = scalar_inverse_sqrt_steps(kf, coefficients)
     tol = inv_sqrt_tolerance("float64", kf)
-    enough = np.max(rel_err(to_numpy(inverse_sqrt(A, method="newton_schulz", steps=steps)), reference))
-    assert enough <= tol, f"{steps} steps: error {enough:.1e} > {tol:.1e}"
-    # Measured with two steps fewer: 4e5, 5e5, 73 and 355 times eps * (1 + kappa').
-    short = np.max(rel_err(to_numpy(inverse_sqrt(A, method="newton_schulz", steps=steps - 2)), reference))
-    assert short > tol, f"{steps - 2} steps already reach {short:.1e}"
+
+    def error(k: int) -> float:
+        return float(np.max(rel_err(to_numpy(inverse_sqrt(A, method="newton_schulz", coefficients=coefficients, steps=k)), reference)))
+
+    assert error(steps) <= tol, f"{steps} steps: error {error(steps):.1e} > {tol:.1e}"
+    # Measured with two steps fewer: at least 73 times eps * (1 + kappa') (cubic; Polar Express 2e6).
+    assert error(steps - 2) > tol, f"{steps - 2} steps already reach {error(steps - 2):.1e}"
+
+
+def test_inverse_sqrt_default_steps_cover_kappa_1e6() -> None:
+    """The defaults are the scalar counts for kappa' = 1e6, and surplus steps do not hurt."""
+    for name in INV_SQRT_SCHEDULES:
+        assert INVERSE_SQRT_STEPS[name] == scalar_inverse_sqrt_steps(1e6, name)
+        assert inverse_sqrt_steps(name) == INVERSE_SQRT_STEPS[name]
+    A = spd_batch(1e4)
+    reference = inverse_sqrt_reference(A)
+    kf = float(np.max(kappa_frobenius(A)))
+    for steps in (12, 20):
+        got = inverse_sqrt(A, method="newton_schulz", steps=steps)
+        assert np.max(rel_err(got, reference)) <= inv_sqrt_tolerance("float64", kf)
+
+
+def test_inverse_sqrt_steps_validation() -> None:
+    assert inverse_sqrt_steps([CLASSICAL_CUBIC] * 3) == 3  # an explicit sequence: its length
+    assert inverse_sqrt_steps("cubic", 5) == 5
+    with pytest.raises(ValueError, match="does not converge"):
+        inverse_sqrt_steps("muon")
+    with pytest.raises(ValueError, match="does not converge"):
+        inverse_sqrt(np.eye(3), method="newton_schulz", coefficients="muon")
+    with pytest.raises(ValueError, match="unknown Newton–Schulz coefficients"):
+        inverse_sqrt_steps("newton")
 
 
 def test_inverse_sqrt_scalar_step_counts_in_docstring() -> None:
-    """The docstring's steps-to-double-precision of x <- x (3 - x)^2 / 4 from x = 1/kappa'."""
-    doc = " ".join((inverse_sqrt.__doc__ or "").split())
-    claims = dict(
-        (kappa, int(steps))
-        for steps, kappa in re.findall(r"(\d+)\s+(?:steps\s+)?for\s+``(?:kappa' = \|\|A\|\|_F / lambda_min = )?(1e\d)``", doc)
-    )
-    assert set(claims) == {"1e2", "1e4", "1e6", "1e8"}, claims
-    for kappa, steps in claims.items():
-        count = scalar_steps_to_double_precision(float(kappa))
-        assert count == steps, f"kappa' = {kappa}: {count} steps, docstring says {steps}"
+    """The docstring's table of steps to float64 precision, recomputed from the typed-in schedules."""
+    doc = inverse_sqrt.__doc__ or ""
+    header = re.search(r"kappa'\s+((?:1e\d\s+)+)", doc)
+    assert header, "no kappa' row in the docstring table"
+    kappas = header.group(1).split()
+    rows = {name: re.search(rf"``\"{name}\"``\s+((?:\d+\s+)+)", doc) for name in INV_SQRT_SCHEDULES}
+    for name, row in rows.items():
+        assert row, f"no row for {name}"
+        claimed = [int(v) for v in row.group(1).split()]
+        assert claimed == [scalar_inverse_sqrt_steps(float(k), name) for k in kappas], name
 
 
 @pytest.mark.parametrize("method", ["eigh", "newton_schulz"])
@@ -739,8 +795,11 @@ def test_bad_steps_raise_value_error(target: Target, steps) -> None:
     message = r"^steps must be a positive integer, got " + re.escape(repr(steps))
     with pytest.raises(ValueError, match=message):
         polar(X, steps=steps)
-    with pytest.raises(ValueError, match=message):
-        inverse_sqrt(X, method="newton_schulz", steps=steps)
+    if steps is None:  # inverse_sqrt's steps=None is the schedule's default count
+        assert inverse_sqrt(X, method="newton_schulz", steps=None).shape == (3, 3)
+    else:
+        with pytest.raises(ValueError, match=message):
+            inverse_sqrt(X, method="newton_schulz", steps=steps)
     with pytest.raises(ValueError, match=message):
         newton_schulz_schedule("muon", steps)
 
