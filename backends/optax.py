@@ -92,6 +92,23 @@ def scale_by_fismo(
         lr=1.0, beta=beta, gamma=gamma, mu=mu, polar=polar, inv_root=inv_root, nesterov=nesterov, statistics=statistics
     )
 
+    every = core.inv_root.every
+
+    def _direction(G: Any, s: Any) -> tuple[Any, Any]:
+        if every == 1:
+            return core.direction(G, s)
+        try:  # InverseRootConfig.every > 1: eager, the step count decides in Python ...
+            refresh = int(s.step) % every == 0
+        except TypeError:  # ... under jit it is traced (ConcretizationTypeError), and lax.cond decides.
+            # The branches' states must agree in type: the step becomes an int32 array in both.
+            s = s._replace(step=jnp.asarray(s.step, dtype=jnp.int32))
+            return jax.lax.cond(
+                s.step % every == 0,
+                lambda: core.direction(G, s, refresh_roots=True),
+                lambda: core.direction(G, s, refresh_roots=False),
+            )
+        return core.direction(G, s, refresh_roots=refresh)
+
     def init_fn(params: Any) -> ScaleByFismoState:
         return ScaleByFismoState(jax.tree.map(lambda p: core.init(_as_matrix(p, matrix_shape)), params))
 
@@ -101,7 +118,7 @@ def scale_by_fismo(
         states = treedef.flatten_up_to(state.states)
         directions, new_states = [], []
         for g, s in zip(leaves, states):
-            d, s = core.direction(_as_matrix(g, matrix_shape), s)
+            d, s = _direction(_as_matrix(g, matrix_shape), s)
             directions.append(jnp.reshape(d, g.shape).astype(g.dtype))
             new_states.append(s)
         return treedef.unflatten(directions), ScaleByFismoState(treedef.unflatten(new_states))

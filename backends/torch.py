@@ -305,6 +305,9 @@ class FISMO(Optimizer):
         for saved_group, group in zip(saved_groups, self.param_groups):
             if group.get("algorithm", "fismo") != "fismo":
                 continue
+            if isinstance(group["inv_root"], dict) and "coefficients" not in group["inv_root"]:
+                # Saved before InverseRootConfig had coefficients: its Newton–Schulz roots were cubic.
+                group["inv_root"] = {**group["inv_root"], "coefficients": "cubic"}
             for index, p in zip(saved_group["params"], group["params"]):
                 saved = saved_state.get(index)
                 if not saved or p not in self.state:
@@ -571,13 +574,16 @@ class FISMO(Optimizer):
     def _directions(self, core: _CoreFISMO, mine: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """``dW`` (shape ``(m, n)``, state dtype) of every owned matrix: one core call per bucket."""
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        every = core.inv_root.every
         for p, grad in mine:
             m, n = _matrix_shape(p.shape)
             G = grad.reshape(m, n)
-            buckets.setdefault((m, n, p.dtype, G.device), []).append((p, G))
+            # InverseRootConfig.every: whether this parameter's roots are due, from its own step count.
+            refresh = every == 1 or int(self.state[p].get("step", 0)) % every == 0
+            buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
         directions = {}
         results = []
-        for bucket in buckets.values():
+        for (*_, refresh), bucket in buckets.items():
             states = [self._matrix_state(core, p, G) for p, G in bucket]
             if len(bucket) == 1:
                 G_stack = bucket[0][1][None]
@@ -594,7 +600,7 @@ class FISMO(Optimizer):
             # Algorithm 1, lines 4-8, for the whole bucket. The core's step count is
             # not used by the algorithm; each parameter keeps its own in state["step"].
             try:
-                D, new = core.direction(G_stack, stacked)
+                D, new = core.direction(G_stack, stacked, refresh_roots=refresh)
             except InverseRootError as exc:
                 names = ", ".join(self._label(bucket[i][0]) for i in exc.indices)
                 raise InverseRootError(f"{exc}. The failing parameters: {names}", exc.indices) from exc

@@ -88,8 +88,11 @@ class InverseRootConfig:
 
     Parameters
     ----------
-    method, steps:
-        ``"eigh"`` or ``"newton_schulz"``, and the Newton–Schulz step count.
+    method, steps, coefficients:
+        ``"eigh"`` (exact) or ``"newton_schulz"`` (matmul-only), and for the
+        latter the step count and the schedule, as in
+        [`inverse_sqrt`][fismo_core.linalg.inverse_sqrt]: by default Polar
+        Express, 9 steps. ``steps=None`` means the schedule's default.
     fallback:
         ``None`` (default): on, unless the optimizer runs with
         ``nonfinite="propagate"``, its mode without host synchronisation.
@@ -103,19 +106,49 @@ class InverseRootConfig:
         condition number ``kappa`` has a residual of about ``d eps kappa``
         (``eps`` the dtype's unit roundoff), so a float32 root is repaired in
         float64 only beyond ``kappa ~ 1e5``.
+    every:
+        Amortisation, as Shampoo's precondition frequency: the roots are
+        recomputed on every ``every``-th step only (the steps with
+        ``state.step % every == 0``, so the first step always computes
+        them). ``P_t`` and ``Q_t`` are updated at every step regardless; on
+        the steps in between, lines 4–8 use the roots of the last
+        recomputation, ``P_s^{-1/2}`` and ``Q_s^{-1/2}`` (``s`` that step)
+        in place of ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (and their squares in
+        place of ``Q_{t-1}^{-1}``, ``P_t^{-1}``), and no root is checked.
+        That is *not* Algorithm 1: default 1, every step, which is.
+        The measured effect on the direction is on the documentation page
+        "Performance". Deciding needs a concrete step count; under
+        ``jax.jit`` pass ``refresh_roots`` to
+        [`FISMO.direction`][fismo_core.FISMO.direction] (the optax
+        adapter does this with ``jax.lax.cond``).
     """
 
     method: Literal["eigh", "newton_schulz"] = "eigh"
-    steps: int = 30
+    steps: Optional[int] = None
     fallback: Optional[bool] = None
     max_failures: int = 10
     tolerance: float = 0.1
+    coefficients: Coefficients = "polar_express"
+    every: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in ("eigh", "newton_schulz"):
             raise ValueError(f"unknown inverse-root method {self.method!r}: use 'eigh' or 'newton_schulz'")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 1:
-            raise ValueError(f"inverse-root steps must be a positive integer, got {self.steps!r}")
+        if self.steps is not None and (
+            isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 1
+        ):
+            raise ValueError(
+                f"inverse-root steps must be a positive integer, got {self.steps!r} (or None: the schedule's default)"
+            )
+        try:
+            linalg.inverse_sqrt_steps(self.coefficients, self.steps)  # validates both
+        except ValueError as exc:
+            raise ValueError(f"inverse-root {exc}") from exc
+        if not isinstance(self.coefficients, str):
+            object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
+        if isinstance(self.every, bool) or not isinstance(self.every, numbers.Integral) or self.every < 1:
+            raise ValueError(f"inverse-root every must be a positive integer, got {self.every!r}")
+        object.__setattr__(self, "every", int(self.every))
         if self.fallback is not None and not isinstance(self.fallback, bool):
             raise TypeError(f"inverse-root fallback must be None, True or False, got {self.fallback!r}")
         if (
@@ -131,7 +164,7 @@ class InverseRootConfig:
         object.__setattr__(self, "tolerance", tolerance)
 
     def __call__(self, A: Array) -> Array:
-        return linalg.inverse_sqrt(A, method=self.method, steps=self.steps)
+        return linalg.inverse_sqrt(A, method=self.method, steps=self.steps, coefficients=self.coefficients)
 
 
 class FISMOState(NamedTuple):
@@ -422,18 +455,29 @@ class FISMO:
         )
 
     # ------------------------------------------------------------- direction
-    def direction(self, G: Array, state: FISMOState) -> tuple[Array, FISMOState]:
+    def direction(
+        self, G: Array, state: FISMOState, *, refresh_roots: Optional[bool] = None
+    ) -> tuple[Array, FISMOState]:
         """Lines 4–8: the update direction ``dW_t`` and the new state, from gradient ``G_t``.
 
         ``dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2}``; the parameters move by
         ``-lr * dW_t`` (line 9, [`step`][fismo_core.FISMO.step]). ``dW_t`` has the state's dtype.
         Preconditioners are updated Gauss–Seidel: ``P_t`` from ``Q_{t-1}``,
         then ``Q_t`` from the new ``P_t``.
+
+        ``refresh_roots`` overrides the schedule of
+        [`InverseRootConfig.every`][fismo_core.InverseRootConfig]: ``True``
+        recomputes the roots at this step, ``False`` keeps the cached ones.
+        ``None`` (default) decides from ``state.step``, which must then be
+        concrete unless ``every == 1``.
         """
         xp = _check_call(G, state)
+        refresh = self._refresh_roots(state, refresh_roots)
         if self.nonfinite == "raise":
             _check_finite(xp, G)
-        G = xp.astype(G, state.M.dtype, copy=False)
+        # A copy in the standard layout: BLAS may round a product with a transposed or strided
+        # operand differently, and the result must not depend on how G is laid out in memory.
+        G = xp.reshape(xp.astype(G, state.M.dtype, copy=False), G.shape, copy=True)
         if self.nonfinite == "skip":
             # Per matrix and sync-free: a matrix whose G_t is not finite is computed with
             # G_t = 0 (so no NaN reaches eigh) and restored to its old state at the end.
@@ -441,48 +485,46 @@ class FISMO:
             G = xp.where(skip[..., None, None], xp.zeros_like(G), G)
         m, n = G.shape[-2], G.shape[-1]
         P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
+        P_failed = Q_failed = None
         if self.gamma == 1.0:
             # P~_t = P_{t-1}, whose trace is m: lines 4-5 return P_{t-1} and
             # Q_{t-1} unchanged, and so do their cached roots.
-            P_is_G = P_is @ G
-            P_failed = Q_failed = None
+            scale, P_is_G_s = 1.0, P_is @ G
         else:
-            eye_m = xp.eye(m, dtype=G.dtype, device=device(G))
-            eye_n = xp.eye(n, dtype=G.dtype, device=device(G))
-            # The gradient in the Gram products of lines 4-5 is G_stat = G / stat_scale, one
-            # positive scale per matrix, so that P_t^{-1/2} G_stat = (P_t^{-1/2} G) / stat_scale.
-            stat_scale = xp.ones_like(G[..., :1, :1])
+            # Lines 4-5 work on G_s = G / scale, one positive scale per matrix (..., 1, 1):
+            # scale = s for the printed statistics, rms(G) s for "scale_invariant", where s is a
+            # power of two (1 unless max|G / rms| >= 2). The Gram products of G_s cannot overflow,
+            # and the EMA takes P_{t-1} / s^2 (Q_{t-1} / s^2), which trace normalisation maps to
+            # the same P_t; bit for bit the unscaled result unless that overflows
+            # (docs/guarantees.md). Lines 6-7 multiply the scale back into a coefficient.
             if self.statistics == "scale_invariant":  # G / rms(G), per matrix; a zero G stays zero
                 # rms on G / 2^k so the sum of squares cannot overflow; the power of two cancels exactly.
                 pow2 = linalg._pow2_scale(G)
                 rms = xp.sqrt(xp.sum((G / pow2) ** 2, axis=(-2, -1), keepdims=True) / (m * n))
                 stat_scale = pow2 * xp.where(rms > 0, rms, xp.ones_like(rms))
-            G_stat = G / stat_scale
-            # Overflow-safe statistics: the Gram products are formed from G_stat / s, s a power of
-            # two per matrix (1 unless max|G_stat| >= 2), and the EMA from P_{t-1} / s^2 and
-            # Q_{t-1} / s^2. That is P~_t / s^2, which trace normalisation maps to the same P_t;
-            # bit for bit the unscaled result unless that overflows (docs/guarantees.md).
+                G_stat = G / stat_scale
+            else:
+                stat_scale, G_stat = 1.0, G
             s = linalg._pow2_scale(G_stat)
-            G_stat, P, Q, stat_scale = G_stat / s, P / s / s, Q / s / s, stat_scale * s
-            # Line 4: L_t = G Q_{t-1}^{-1} G^T / n + mu tr(P_{t-1})/m I_m.
-            G_Q_is = G_stat @ Q_is
-            L = (G_Q_is @ xp.matrix_transpose(G_Q_is)) / n + (self.mu * xp.linalg.trace(P) / m)[..., None, None] * eye_m
-            P_new = linalg.sym(linalg.trace_normalize(self.gamma * P + (1 - self.gamma) * L))
-            P_new, P_is, P_failed = self._inverse_root(xp, P_new, state.P, state.P_inv_sqrt, "P")
-            # Line 5: R_t = G^T P_t^{-1} G / m + mu tr(Q_{t-1})/n I_n.
-            P_is_G = P_is @ G
-            P_is_G_stat = P_is_G / stat_scale
-            R = (xp.matrix_transpose(P_is_G_stat) @ P_is_G_stat) / m
-            R = R + (self.mu * xp.linalg.trace(Q) / n)[..., None, None] * eye_n
-            Q_new = linalg.sym(linalg.trace_normalize(self.gamma * Q + (1 - self.gamma) * R))
-            Q_new, Q_is, Q_failed = self._inverse_root(xp, Q_new, state.Q, state.Q_inv_sqrt, "Q")
+            G_s, scale, inv_s2 = G_stat / s, stat_scale * s, 1 / s / s
+            # Line 4: L_t = G Q_{t-1}^{-1} G^T / n + mu tr(P_{t-1})/m I_m, P_t from L_t.
+            G_Q_is = G_s @ Q_is
+            P_new = self._updated_preconditioner(xp, P, G_Q_is @ xp.matrix_transpose(G_Q_is), n, inv_s2)
+            if refresh:
+                P_new, P_is, P_failed = self._inverse_root(xp, P_new, P, P_is, "P")
+            # Line 5: R_t = G^T P_t^{-1} G / m + mu tr(Q_{t-1})/n I_n, Q_t from R_t.
+            P_is_G_s = P_is @ G_s
+            Q_new = self._updated_preconditioner(xp, Q, xp.matrix_transpose(P_is_G_s) @ P_is_G_s, m, inv_s2)
+            if refresh:
+                Q_new, Q_is, Q_failed = self._inverse_root(xp, Q_new, Q, Q_is, "Q")
             P, Q = P_new, Q_new
-        # Line 6: G~_t = P_t^{-1/2} G_t Q_t^{-1/2}, reusing P_t^{-1/2} G_t from line 5.
-        G_white = P_is_G @ Q_is
+        # Line 6: G~_t = P_t^{-1/2} G_t Q_t^{-1/2} = scale (P_t^{-1/2} G_s) Q_t^{-1/2}, reusing line 5's product.
+        G_white_s = P_is_G_s @ Q_is
         # Line 7: M_t = beta M_{t-1} + (1 - beta) G~_t.
-        M = self.beta * state.M + (1 - self.beta) * G_white
+        G_white_coef = (1 - self.beta) * scale
+        M = self.beta * state.M + G_white_coef * G_white_s
         # Line 8: dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2}.
-        momentum = self.beta * M + (1 - self.beta) * G_white if self.nesterov else M
+        momentum = self.beta * M + G_white_coef * G_white_s if self.nesterov else M
         direction = linalg.whiten(self.polar(momentum), P_is, Q_is)
         new_state = FISMOState(
             P=P, Q=Q, M=M, P_inv_sqrt=P_is, Q_inv_sqrt=Q_is, step=state.step + 1,
@@ -491,6 +533,45 @@ class FISMO:
         if self.nonfinite == "skip":
             direction, new_state = _restore_skipped(xp, skip, direction, state, new_state)
         return direction, new_state
+
+    def _updated_preconditioner(self, xp: Any, A: Array, gram: Array, divisor: int, inv_s2: Array) -> Array:
+        """``P_t`` from ``P_{t-1}`` (lines 4, and 5 for ``Q_t``), in one linear combination.
+
+        ``gram`` is the data part of ``L_t`` times ``divisor / s^2``
+        (``G_s Q_{t-1}^{-1} G_s^T``, ``G_s = G_t / s``), so with
+        ``a = gamma / s^2``, ``b = (1 - gamma) / divisor`` and
+        ``c = (1 - gamma) mu tr(P_{t-1}) / (d s^2)``, ``P~_t / s^2 = a P_{t-1} +
+        b gram + c I``. Its trace is ``a tr(P_{t-1}) + b tr(gram) + c d``, and
+        with ``k = d / tr``, ``P_t = sym(k P~_t / s^2) = k a P_{t-1} +
+        (k b / 2) (gram + gram^T) + k c I``: ``P_{t-1}`` is exactly symmetric,
+        and so is the result.
+        """
+        d = A.shape[-1]
+        trace_prev = xp.linalg.trace(A)[..., None, None]
+        a = self.gamma * inv_s2
+        b = (1 - self.gamma) / divisor
+        c = (1 - self.gamma) * self.mu * trace_prev / d * inv_s2
+        k = d / (a * trace_prev + b * xp.linalg.trace(gram)[..., None, None] + c * d)
+        eye = xp.eye(d, dtype=A.dtype, device=device(A))
+        return (k * a) * A + (k * (b / 2)) * (gram + xp.matrix_transpose(gram)) + (k * c) * eye
+
+    def _refresh_roots(self, state: FISMOState, refresh_roots: Optional[bool]) -> bool:
+        """Whether this step recomputes ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (`InverseRootConfig.every`)."""
+        if refresh_roots is not None:
+            if not isinstance(refresh_roots, bool):
+                raise TypeError(f"refresh_roots must be None, True or False, got {refresh_roots!r}")
+            return refresh_roots
+        every = self.inv_root.every
+        if every == 1:
+            return True
+        try:
+            return int(state.step) % every == 0
+        except TypeError:  # traced (jax.errors.ConcretizationTypeError): no value to decide on
+            raise ValueError(
+                f"InverseRootConfig(every={every}) recomputes the roots when state.step % {every} == 0, and "
+                "state.step is traced here (jax.jit): pass refresh_roots=True/False to FISMO.direction, "
+                "e.g. under jax.lax.cond (fismo_core.backends.optax does this)"
+            ) from None
 
     # ------------------------------------------------------- fault handling
     def _inverse_root(self, xp: Any, A: Array, A_prev: Array, root_prev: Array, name: str) -> tuple[Array, Array, Any]:

@@ -392,6 +392,7 @@ SYNC_FREE_ON_CUPY = {
     "all": "a reduction kernel; the result stays on the device",
     "maximum": "an elementwise kernel",
     "asarray": "asarray(x, copy=True) of a device array in init: a device-to-device copy",
+    "reshape": "reshape(G, G.shape, copy=True): ndarray.copy() (a device-to-device copy in C order), then cupy.reshape, a view",
     "linalg.trace": "cupy.trace, a reduction kernel",
     "linalg.matrix_norm": "cupy.linalg.norm(ord='fro'): elementwise kernel and reduction",
     "linalg.eigh": "cuSOLVER syevd / syevjBatched; the info code is read back only under cupyx.errstate(linalg='raise')",

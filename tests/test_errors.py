@@ -250,7 +250,9 @@ HYPERPARAMETER_ERRORS = [
     ({"inv_root": "cholesky"}, ValueError, r"unknown inverse-root method 'cholesky': use 'eigh' or 'newton_schulz'"),
     ({"inv_root": "svd"}, ValueError, r"unknown inverse-root method 'svd'"),  # a polar method is not a root method
     ({"inv_root": {"method": "cholesky"}}, ValueError, r"unknown inverse-root method 'cholesky'"),
-    ({"inv_root": {"coefficients": "muon"}}, TypeError, r"unexpected keyword argument 'coefficients'"),
+    ({"inv_root": {"coefficients": "muon"}}, ValueError, r"inverse-root coefficients='muon' does not converge"),
+    ({"inv_root": {"every": 0}}, ValueError, r"inverse-root every must be a positive integer, got 0"),
+    ({"inv_root": {"every": 2.0}}, ValueError, r"inverse-root every must be a positive integer, got 2\.0"),
     ({"inv_root": PolarConfig()}, TypeError, r"inv_root must be a InverseRootConfig"),
     ({"inv_root": 30}, TypeError, r"inv_root must be a InverseRootConfig.*got 30"),
 ]

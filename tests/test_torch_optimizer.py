@@ -305,7 +305,9 @@ def test_batched_call_equals_per_parameter_calls(dtype, monkeypatch):
     calls = []
     original = CoreFISMO.direction
     monkeypatch.setattr(
-        CoreFISMO, "direction", lambda self, G, state: calls.append(tuple(G.shape)) or original(self, G, state)
+        CoreFISMO,
+        "direction",
+        lambda self, G, state, **kwargs: calls.append(tuple(G.shape)) or original(self, G, state, **kwargs),
     )
     for _ in range(30):
         for a, b in zip(batched, single):
