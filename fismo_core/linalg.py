@@ -291,7 +291,8 @@ def inverse_sqrt(
         ``x <- x (a + b x + c x^2)^2``: in ``s = sqrt(x)`` that is the polar
         iteration ``s <- a s + b s^3 + c s^5`` of [`polar`][fismo_core.linalg.polar],
         so the same schedules apply. Four matrix products per step (three
-        for the cubic; the first step and the last need one fewer).
+        for the cubic); the first step needs two fewer (``Z_0 = I``) and the
+        last one fewer (its ``Y`` is not used).
     steps:
         Newton–Schulz steps (ignored by ``"eigh"``). Default: the schedule's
         own count, 9 for ``"polar_express"``, 22 for ``"cubic"`` (both reach
@@ -321,8 +322,11 @@ def inverse_sqrt(
     (The cubic: a small eigenvalue grows by 9/4 per step, then converges
     quadratically, about ``log(kappa') / log(2.25) + 6`` steps. Polar Express
     is optimal for ``kappa'`` up to 1e6, its design interval, and needs one
-    step fewer, 8, for float32 precision.) Surplus steps cost time, not
-    accuracy. Errors against ``"eigh"`` measured in floating point are in
+    step fewer, 8, for float32 precision.) Beyond the table's range the
+    default count leaves the result partly converged: at ``kappa' = 1e7``
+    nine Polar Express steps leave an eigenvalue of ``Z A Z`` at 0.99999,
+    so pass ``steps`` from the table for such matrices. Surplus steps cost
+    time, not accuracy. Errors against ``"eigh"`` measured in floating point are in
     ``docs/linalg.md`` and tested in ``tests/test_linalg.py``.
     """
     xp = _check_float_matrices(A, "A", square=True)
