@@ -1,57 +1,136 @@
-"""A full optimizer step: FISMO on every installed backend, with Muon and AdamW as anchors."""
+"""A full optimizer step: FISMO on every installed backend, the anchors, and the targets of the
+documentation page "Performance" as ``track_`` benchmarks (ratios measured within one process).
+
+A call of the amortised variants ("eigh-every10" and the anchor "soap") is a whole cycle of 10
+steps; the ``track_`` benchmarks divide by it.
+"""
 
 from __future__ import annotations
 
 from fismo_core import FISMO
+from fismo_core.perf import step_flops
 
-from .common import BACKENDS, SHAPES, block, cpu_target, parse_shape, random_matrix
+from .common import (
+    ANCHORS,
+    BACKENDS,
+    SHAPES,
+    SMOKE,
+    TORCH_DEVICES,
+    VARIANTS,
+    anchor_step,
+    fismo_step,
+    interleaved_medians,
+    parse_shape,
+    steps_per_call,
+    torch_device,
+)
+
+#: Shapes of the ratio and FLOP-rate targets; the batch of the batched-call target.
+TARGET_SHAPES = ["64x96"] if SMOKE else ["1024x1024", "768x3072"]
+BATCH = "4x32x48" if SMOKE else "16x512x512"
+#: Interleaved repeats per ratio (medians); a smoke run needs only to run.
+REPEATS = 2 if SMOKE else 7
 
 
 class FISMOStep:
-    params = (["exact", "newton_schulz_roots"], BACKENDS, SHAPES)
-    param_names = ["roots", "backend", "shape"]
+    params = (list(VARIANTS), BACKENDS, SHAPES)
+    param_names = ["variant", "backend", "shape"]
+    timeout = 900
+
+    def setup(self, variant, backend, shape):
+        self.run = fismo_step(variant, backend, parse_shape(shape))
+
+    def time_step(self, variant, backend, shape):
+        self.run()
+
+    def peakmem_step(self, variant, backend, shape):
+        self.run()
+
+
+class Anchors:
+    """torch.optim.Muon (bfloat16 iteration, as shipped), the same in float32, torch.optim.AdamW,
+    and Shampoo and SOAP from pytorch-optimizer: torch float32, on the CPU and on CUDA."""
+
+    params = (ANCHORS, SHAPES, TORCH_DEVICES)
+    param_names = ["optimizer", "shape", "device"]
     timeout = 600
 
-    def setup(self, roots, backend, shape):
-        target = cpu_target(backend)
+    def setup(self, optimizer, shape, device):
+        self.run = anchor_step(optimizer, parse_shape(shape), device)
+
+    def time_step(self, optimizer, shape, device):
+        self.run()
+
+    def peakmem_step(self, optimizer, shape, device):
+        self.run()
+
+
+class Targets:
+    """The targets of issue #5 on torch float32 (CPU; CUDA where present), each measured within
+    one process."""
+
+    params = (["eigh", "newton_schulz", "eigh-every10"], TARGET_SHAPES, TORCH_DEVICES)
+    param_names = ["variant", "shape", "device"]
+    timeout = 1800
+
+    def setup(self, variant, shape, device):
         dims = parse_shape(shape)
-        self.opt = FISMO(inv_root="eigh" if roots == "exact" else "newton_schulz")
-        self.W = target.asarray(random_matrix(dims, seed=0))
-        self.G = target.asarray(random_matrix(dims, seed=1))
-        # One warm-up step so the state is a typical mid-run state (P, Q off the identity).
-        _, self.state = self.opt.step(self.W, self.G, self.opt.init(self.W))
+        fismo = fismo_step(variant, f"torch-{device}-float32", dims)
+        muon = anchor_step("muon-float32", dims, device)
+        self.medians = interleaved_medians({"fismo": fismo, "muon": muon}, REPEATS)
+        self.per_step = self.medians["fismo"] / steps_per_call(variant)
+        m, n = dims[-2:]
+        self.flops = step_flops(m, n, FISMO(**VARIANTS[variant]))["total"]
 
-    def time_step(self, roots, backend, shape):
-        W, _ = self.opt.step(self.W, self.G, self.state)
-        block(W)
+    def track_ratio_to_muon_float32(self, variant, shape, device):
+        return self.per_step / self.medians["muon"]
 
-    def peakmem_step(self, roots, backend, shape):
-        self.opt.step(self.W, self.G, self.state)
+    track_ratio_to_muon_float32.unit = "FISMO step / Muon float32 step"
+
+    def track_gflops(self, variant, shape, device):
+        return self.flops / self.per_step / 1e9
+
+    track_gflops.unit = "GFLOP/s (eigh counted as 9 d^3)"
 
 
-class TorchAnchors:
-    """torch.optim.Muon and torch.optim.AdamW on the same shapes (torch CPU float32)."""
+class MatmulRate:
+    """The matmul FLOP rate of this machine (torch float32), the yardstick of track_gflops."""
 
-    params = (["muon", "adamw"], SHAPES)
-    param_names = ["optimizer", "shape"]
-    timeout = 300
+    params = (TARGET_SHAPES, TORCH_DEVICES)
+    param_names = ["shape", "device"]
 
-    def setup(self, optimizer, shape):
-        try:
-            import torch
-        except ImportError as exc:
-            raise NotImplementedError("torch is not installed") from exc
-        dims = parse_shape(shape)
-        # torch.optim.Muon takes 2-D parameters only: a batch becomes that many parameters.
-        matrices = [dims] if len(dims) == 2 else [dims[1:]] * dims[0]
-        self.params_ = [torch.nn.Parameter(torch.randn(*d)) for d in matrices]
-        for p in self.params_:
-            p.grad = torch.randn_like(p)
-        if optimizer == "muon":
-            self.opt = torch.optim.Muon(self.params_, lr=0.02, momentum=0.95, nesterov=False, weight_decay=0.0)
-        else:
-            self.opt = torch.optim.AdamW(self.params_, lr=1e-3)
-        self.opt.step()
+    def setup(self, shape, device):
+        torch, dev = torch_device(device)
+        m, n = parse_shape(shape)
+        a, b = torch.randn(m, n, device=dev), torch.randn(n, n, device=dev)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        self.seconds = interleaved_medians({"mm": lambda: (a @ b, sync())}, 5 * REPEATS)["mm"]
+        self.flops = 2 * m * n * n
 
-    def time_step(self, optimizer, shape):
-        self.opt.step()
+    def track_matmul_gflops(self, shape, device):
+        return self.flops / self.seconds / 1e9
+
+    track_matmul_gflops.unit = "GFLOP/s"
+
+
+class Batched:
+    """One batched call on 16 same-shape matrices against 16 separate calls (the core, eigh roots)."""
+
+    params = [["torch-cpu-float32", "numpy-cpu-float32", "torch-cuda-float32", "cupy-cuda-float32"]]
+    param_names = ["backend"]
+    timeout = 900
+
+    def setup(self, backend):
+        dims = parse_shape(BATCH)
+        self.medians = interleaved_medians(
+            {
+                "batched": fismo_step("eigh", backend, dims),
+                "separate": fismo_step("eigh", backend, dims, separate=True),
+            },
+            REPEATS,
+        )
+
+    def track_separate_over_batched(self, backend):
+        return self.medians["separate"] / self.medians["batched"]
+
+    track_separate_over_batched.unit = "16 separate calls / 1 batched call"

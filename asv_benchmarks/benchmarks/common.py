@@ -1,18 +1,62 @@
-"""Shared set-up for the benchmarks: which backends are installed, and seeded inputs."""
+"""Shared set-up for the benchmarks and for ``docs/scripts/performance.py``.
+
+One optimizer step of every kind the suite times, as a zero-argument callable that advances
+its own parameters and state (so an amortised variant really recomputes its roots on every
+``k``-th call): FISMO in several configurations on every installed backend, and the anchors
+``torch.optim.Muon`` (as shipped: its Newton–Schulz runs in bfloat16), the same iteration in
+float32, ``torch.optim.AdamW``, and Shampoo and SOAP from pytorch-optimizer if installed.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
+import time
+from collections.abc import Callable
 
 import numpy as np
 
+from fismo_core import FISMO
 from fismo_core.testing import targets
 
 #: The shapes of the issue: square, large square, wide, tall, and a batch of 16.
 SHAPES = ["256x256", "1024x1024", "768x3072", "3072x768", "16x512x512"]
 
-#: (backend, dtype) pairs timed; each is skipped when its library is missing.
-BACKENDS = ["numpy-float64", "numpy-float32", "torch-float32", "jax-float32"]
+#: Targets timed (``fismo_core.testing`` ids: backend-device-dtype); each is skipped, with the
+#: reason, where its library or device is missing. The GPU ones run on a CUDA machine.
+BACKENDS = [
+    "numpy-cpu-float64",
+    "numpy-cpu-float32",
+    "torch-cpu-float32",
+    "jax-cpu-float32",
+    "torch-cuda-float32",
+    "cupy-cuda-float32",
+    "jax-gpu-float32",
+]
+
+#: Devices of the torch benchmarks (anchors, targets).
+TORCH_DEVICES = ["cpu", "cuda"]
+
+#: FISMO configurations by name. "default": ``FISMO()``, exact roots with their fault checks and
+#: the finiteness check (host reads). "eigh": exact roots, no host reads (``nonfinite="propagate"``),
+#: the fastest faithful configuration on a CPU. "newton_schulz": matmul-only roots (Polar Express,
+#: 9 steps), no host reads, the fast path for accelerators. "eigh-every10": roots recomputed every
+#: 10 steps (``InverseRootConfig(every=10)``), not Algorithm 1; one call is a cycle of 10 steps.
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "eigh": {"nonfinite": "propagate"},
+    "newton_schulz": {"nonfinite": "propagate", "inv_root": "newton_schulz"},
+    "eigh-every10": {"nonfinite": "propagate", "inv_root": {"every": 10}},
+}
+
+#: The anchors' names: torch.optim.Muon as shipped, its iteration in float32, AdamW, and from
+#: pytorch-optimizer Shampoo (inverse roots every step) and SOAP (its default precondition
+#: frequency, 10: one call is a cycle of 10 steps).
+ANCHORS = ["muon", "muon-float32", "adamw", "shampoo", "soap"]
+
+#: Steps per call of the amortised optimizers (a whole cycle, so that a call's time is typical).
+CYCLE = {"eigh-every10": 10, "soap": 10}
 
 #: ``FISMO_ASV_SMOKE=1`` shrinks the grid to one small shape per backend: CI's smoke run.
 SMOKE = os.environ.get("FISMO_ASV_SMOKE") == "1"
@@ -29,15 +73,25 @@ def sizes(*names: str) -> list[str]:
     return ["64"] if SMOKE else list(names)
 
 
-def cpu_target(backend_dtype: str):
-    """The CPU target of ``backend-dtype``, or ``NotImplementedError`` (asv's skip) if unavailable."""
-    backend, dtype = backend_dtype.split("-")
+def target(target_id: str):
+    """The target ``backend-device-dtype``, or ``NotImplementedError`` (asv's skip) if unavailable."""
     for t in targets():
-        if t.backend == backend and t.dtype == dtype and t.device == "cpu":
+        if t.id == target_id:
             if not t.available:
                 raise NotImplementedError(t.reason)
             return t
-    raise NotImplementedError(f"no target {backend_dtype}")
+    raise NotImplementedError(f"no target {target_id} on this machine")
+
+
+def torch_device(device: str):
+    """torch and the device, or ``NotImplementedError`` (asv's skip) if either is missing."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise NotImplementedError("torch is not installed") from exc
+    if device == "cuda" and not torch.cuda.is_available():
+        raise NotImplementedError("torch reports no CUDA device")
+    return torch, torch.device(device)
 
 
 def random_matrix(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -53,7 +107,147 @@ def random_spd(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 
 def block(x) -> None:
-    """Wait for asynchronous backends (JAX) to finish, so timings cover the work."""
+    """Wait for asynchronous backends (JAX, CUDA) to finish, so timings cover the work."""
     ready = getattr(x, "block_until_ready", None)
     if ready is not None:
         ready()
+        return
+    module = type(x).__module__
+    if module.startswith("torch") and x.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(x.device)
+    elif module.startswith("cupy"):
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def fismo_step(variant: str, backend: str, shape: tuple[int, ...], *, separate: bool = False) -> Callable[[], None]:
+    """One step of ``FISMO(**VARIANTS[variant])`` through the core (one call per step; a cycle of
+    10 for "eigh-every10"), on ``backend`` (a target id: "numpy-cpu-float64", "torch-cuda-float32",
+    ...), advancing W and the state. JAX runs the step under ``jax.jit``. ``separate=True`` with a batch shape
+    ``(B, m, n)`` makes B separate calls instead of one batched call.
+
+    The gradient is fixed (a seeded Gaussian of RMS 1/sqrt(n)); one warm-up step runs first, so
+    that P and Q are off the identity.
+    """
+    t = target(backend)
+    opt = FISMO(**VARIANTS[variant])
+    W = t.asarray(random_matrix(shape, seed=0))
+    G = t.asarray(random_matrix(shape, seed=1))
+    step = opt.step
+    if t.backend == "jax":
+        if opt.inv_root.every > 1:
+            raise NotImplementedError("an amortised step under jax.jit needs refresh_roots per call: not timed")
+        import jax
+
+        step = jax.jit(opt.step)
+    if separate:
+        if len(shape) != 3:
+            raise ValueError("separate calls need a batch shape (B, m, n)")
+        items = [[W[i, ...], G[i, ...], opt.init(W[i, ...])] for i in range(shape[0])]
+    else:
+        items = [[W, G, opt.init(W)]]
+    for item in items:  # warm-up (and jit compilation)
+        item[0], item[2] = step(*item)
+        block(item[0])
+    calls = CYCLE.get(variant, 1)
+
+    def run() -> None:
+        for _ in range(calls):
+            for item in items:
+                item[0], item[2] = step(*item)
+        block(items[-1][0])
+
+    return run
+
+
+def muon_float32_step(params: list, momentum: float = 0.95, lr: float = 0.02, steps: int = 5) -> Callable[[], None]:
+    """``torch.optim.Muon``'s update (EMA momentum by ``lerp_``, its quintic by ``torch.addmm``,
+    its shape-dependent lr) with the Newton–Schulz iteration in float32 instead of bfloat16: the
+    twin FISMO is compared with, at the same dtype and number of steps."""
+    import torch
+
+    a, b, c = 3.4445, -4.7750, 2.0315
+    buffers = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def run() -> None:
+        for p, buf in zip(params, buffers):
+            buf.lerp_(p.grad, 1 - momentum)
+            X = buf.T if p.shape[0] > p.shape[1] else buf
+            X = X / X.norm().clamp(min=1e-7)
+            for _ in range(steps):
+                gram = X @ X.T
+                X = torch.addmm(X, torch.addmm(gram, gram, gram, beta=b, alpha=c), X, beta=a)
+            update = X.T if p.shape[0] > p.shape[1] else X
+            p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
+
+    return run
+
+
+def anchor_step(name: str, shape: tuple[int, ...], device: str = "cpu") -> Callable[[], None]:
+    """One step of an anchor optimizer on torch float32 parameters of ``shape`` (a batch
+    ``(B, m, n)`` is B parameters: torch.optim.Muon takes matrices only). ``NotImplementedError``
+    if its package or the device is missing."""
+    torch, dev = torch_device(device)
+    matrices = [shape] if len(shape) == 2 else [shape[1:]] * shape[0]
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(*s, generator=gen) / math.sqrt(s[-1])).to(dev)) for s in matrices]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])).to(dev)
+    if name == "muon":
+        opt = torch.optim.Muon(params, lr=0.02, momentum=0.95, nesterov=False, weight_decay=0.0)
+    elif name == "muon-float32":
+        twin = muon_float32_step(params)
+
+        def run() -> None:
+            twin()
+            block(params[-1])
+
+        run()
+        return run
+    elif name == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-3)
+    elif name in ("shampoo", "soap"):
+        try:
+            import pytorch_optimizer
+        except ImportError as exc:
+            raise NotImplementedError("pytorch-optimizer is not installed (pip install pytorch-optimizer)") from exc
+        if name == "shampoo":
+            opt = pytorch_optimizer.Shampoo(params, lr=1e-3, preconditioning_compute_steps=1)
+        else:
+            opt = pytorch_optimizer.SOAP(params, lr=3e-3)  # precondition_frequency=10, its default
+    else:
+        raise ValueError(f"unknown anchor {name!r}")
+    for _ in range(2):  # warm-up; SOAP sets up its eigenbases on its first steps
+        opt.step()
+    calls = CYCLE.get(name, 1)
+
+    def run() -> None:
+        for _ in range(calls):
+            opt.step()
+        block(params[-1])
+
+    return run
+
+
+def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each function, timed in turn (A B C A B C ...), one warm-up
+    call each first: the functions see the same machine state, so their ratios are fair on a
+    noisy machine."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def steps_per_call(name: str) -> int:
+    """How many optimizer steps one call of ``fismo_step(name)`` or ``anchor_step(name)`` makes."""
+    return CYCLE.get(name, 1)

@@ -89,10 +89,8 @@ def amortisation_errors(target, shape, steps: int, every: tuple[int, ...]) -> di
 
 
 def cpu_target(backend: str, dtype: str):
-    for t in targets():
-        if t.backend == backend and t.dtype == dtype and t.device == "cpu" and t.available:
-            return t
-    return None
+    """The available CPU target of ``backend`` and ``dtype``, or None."""
+    return next((t for t in targets() if t.id == f"{backend}-cpu-{dtype}" and t.available), None)
 
 
 def main() -> None:

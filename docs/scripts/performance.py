@@ -1,0 +1,226 @@
+"""The measurements of the documentation page "Performance" (torch CPU float32 unless stated).
+
+Every time is a median over interleaved repeats (A B C A B C ...), so that the functions of one
+table see the same machine state and their ratios are fair on a noisy machine; ratios are taken
+within one run. The step callables are those of the asv suite (``asv_benchmarks/benchmarks/
+common.py``), so the page and the suite time the same code.
+
+    python docs/scripts/performance.py                    # all tables and the plot (about 20 minutes)
+    python docs/scripts/performance.py --only flops       # one section: steps, flops, batched, memory, plot
+    python docs/scripts/performance.py --repeats 3        # fewer repeats (noisier)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "asv_benchmarks"))
+
+from benchmarks.common import (  # noqa: E402
+    VARIANTS,
+    anchor_step,
+    fismo_step,
+    interleaved_medians,
+    steps_per_call,
+)
+
+from fismo_core import FISMO  # noqa: E402
+from fismo_core.perf import muon_flops, state_elements, step_flops  # noqa: E402
+
+SHAPES = [(256, 256), (1024, 1024), (768, 3072), (3072, 768), (16, 512, 512)]
+FISMO_VARIANTS = ["default", "eigh", "newton_schulz", "eigh-every10"]
+ANCHORS = ["muon", "muon-float32", "adamw", "shampoo", "soap"]
+LABELS = {
+    "default": "FISMO default",
+    "eigh": "FISMO exact, no host reads",
+    "newton_schulz": "FISMO Newton–Schulz roots",
+    "eigh-every10": "FISMO roots every 10 steps",
+    "muon": "Muon (torch, bf16 iteration)",
+    "muon-float32": "Muon, float32 iteration",
+    "adamw": "AdamW (torch)",
+    "shampoo": "Shampoo (roots every step)",
+    "soap": "SOAP (basis every 10 steps)",
+}
+PLOT = ROOT / "docs" / "performance" / "step_time.png"
+
+
+def shape_name(shape) -> str:
+    return "×".join(str(v) for v in shape)
+
+
+def step_functions(shape, names) -> dict:
+    """name -> zero-argument callable doing one call (a cycle for the amortised ones)."""
+    fns = {}
+    for name in names:
+        try:
+            fns[name] = fismo_step(name, "torch-cpu-float32", shape) if name in VARIANTS else anchor_step(name, shape)
+        except NotImplementedError as exc:
+            print(f"<!-- {name} at {shape_name(shape)} skipped: {exc} -->")
+    return fns
+
+
+def per_step(medians: dict) -> dict:
+    return {name: t / steps_per_call(name) for name, t in medians.items()}
+
+
+def section_steps(repeats: int) -> None:
+    print("### Step time (ms, median) and ratio to the float32 Muon step\n")
+    names = FISMO_VARIANTS + ANCHORS
+    print("| shape | " + " | ".join(LABELS[n] for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for shape in SHAPES:
+        times = per_step(interleaved_medians(step_functions(shape, names), repeats))
+        muon = times.get("muon-float32")
+        cells = []
+        for n in names:
+            if n not in times:
+                cells.append("—")
+            elif n in VARIANTS and muon:
+                cells.append(f"{times[n] * 1e3:.0f} ({times[n] / muon:.2f}×)")
+            else:
+                cells.append(f"{times[n] * 1e3:.1f}")
+        print(f"| {shape_name(shape)} | " + " | ".join(cells) + " |")
+    print()
+
+
+def matmul_rate(repeats: int) -> float:
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    seconds = interleaved_medians({"mm": lambda: a @ b}, 10 * repeats)["mm"]
+    return 2 * 1024**3 / seconds
+
+
+def section_flops(repeats: int) -> None:
+    print("### Achieved FLOP/s (torch CPU float32)\n")
+    print("| shape | step | FLOPs per step (matmul + eigh) | median time (ms) | GFLOP/s | % of matmul rate |")
+    print("|---|---|---|---|---|---|")
+    for shape in [(1024, 1024), (768, 3072)]:
+        m, n = shape
+        fns = step_functions(shape, ["eigh", "newton_schulz", "muon-float32"])
+        rate_before = matmul_rate(repeats)
+        times = per_step(interleaved_medians(fns, repeats))
+        rate = (rate_before + matmul_rate(repeats)) / 2
+        for name in ("eigh", "newton_schulz", "muon-float32"):
+            if name == "muon-float32":
+                flops, eigh = muon_flops(m, n), 0
+            else:
+                counts = step_flops(m, n, FISMO(**VARIANTS[name]))
+                flops, eigh = counts["total"], counts["eigh"]
+            achieved = flops / times[name]
+            split = f"{(flops - eigh) / 1e9:.1f} + {eigh / 1e9:.1f}" if eigh else f"{flops / 1e9:.1f}"
+            print(f"| {shape_name(shape)} | {LABELS[name]} | {split} G | {times[name] * 1e3:.0f} "
+                  f"| {achieved / 1e9:.0f} | {100 * achieved / rate:.0f} % |")
+        print(f"| | 1024×1024 matmul, measured before and after | | | {rate / 1e9:.0f} | 100 % |")
+    print()
+
+
+def section_batched(repeats: int) -> None:
+    print("### One batched call against separate calls (16 × 512 × 512, roots by eigh)\n")
+    print("| backend | batched (ms) | 16 separate (ms) | separate / batched |")
+    print("|---|---|---|---|")
+    for backend in ("torch-cpu-float32", "numpy-cpu-float32"):
+        shape = (16, 512, 512)
+        times = interleaved_medians(
+            {"batched": fismo_step("eigh", backend, shape), "separate": fismo_step("eigh", backend, shape, separate=True)},
+            repeats,
+        )
+        print(f"| {backend} | {times['batched'] * 1e3:.0f} | {times['separate'] * 1e3:.0f} "
+              f"| {times['separate'] / times['batched']:.3f} |")
+    print()
+
+
+def section_memory() -> None:
+    print("### Optimizer state per parameter (elements; bytes in float32 = 4 ×)\n")
+    formulas = {
+        "FISMO": ("2m² + 2n² + mn", state_elements),
+        "Adam / AdamW": ("2mn", lambda m, n: 2 * m * n),
+        "Muon": ("mn", lambda m, n: m * n),
+        "Shampoo (pytorch-optimizer)": ("2m² + 2n² + mn", lambda m, n: 2 * m * m + 2 * n * n + m * n),
+        "SOAP (pytorch-optimizer)": ("2mn + 2m² + 2n²", lambda m, n: 2 * m * n + 2 * m * m + 2 * n * n),
+    }
+    shapes = [(1024, 1024), (768, 3072), (512, 512)]
+    print("| optimizer | elements per matrix | " + " | ".join(f"per parameter, {shape_name(s)}" for s in shapes) + " |")
+    print("|---|---|" + "---|" * len(shapes))
+    for name, (formula, count) in formulas.items():
+        cells = " | ".join(f"{count(m, n) / (m * n):.2f} ({4 * count(m, n) / (m * n):.1f} B)" for m, n in shapes)
+        print(f"| {name} | {formula} | {cells} |")
+    print()
+
+
+def section_flop_lines() -> None:
+    print("### FLOPs of one step by line of Algorithm 1 (GFLOP)\n")
+    configs = {"default": FISMO(), "eigh": FISMO(nonfinite="propagate"),
+               "newton_schulz": FISMO(nonfinite="propagate", inv_root="newton_schulz")}
+    keys = ["line 4", "line 5", "roots", "eigh", "line 6", "line 8", "total"]
+    print("| shape | configuration | " + " | ".join(keys) + " | Muon |")
+    print("|---|---|" + "---|" * (len(keys) + 1))
+    for m, n in [(1024, 1024), (768, 3072)]:
+        for name, opt in configs.items():
+            counts = step_flops(m, n, opt)
+            print(f"| {m}×{n} | {LABELS[name]} | " + " | ".join(f"{counts[k] / 1e9:.1f}" for k in keys)
+                  + f" | {muon_flops(m, n) / 1e9:.1f} |")
+    print()
+
+
+def section_plot(repeats: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [128, 256, 512, 1024, 2048]
+    names = ["default", "eigh", "newton_schulz", "muon", "muon-float32", "adamw", "shampoo"]
+    curves = {name: [] for name in names}
+    print("### Step time against matrix size, d × d (ms, median)\n")
+    print("| d | " + " | ".join(LABELS[n] for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for d in sizes:
+        times = per_step(interleaved_medians(step_functions((d, d), names), repeats if d < 2048 else max(3, repeats // 2)))
+        for name in names:
+            curves[name].append(times.get(name, math.nan))
+        print(f"| {d} | " + " | ".join(f"{times[n] * 1e3:.1f}" if n in times else "—" for n in names) + " |")
+    print()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        ax.plot(sizes, [t * 1e3 for t in curves[name]], marker="o", label=LABELS[name])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("matrix size d (one d × d parameter)")
+    ax.set_ylabel("time per step (ms, median)")
+    ax.set_title(f"One optimizer step, torch CPU float32 ({platform.machine()}, 2 cores)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+    print(f"<!-- plot written to {PLOT.relative_to(ROOT)} -->\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=["steps", "flops", "batched", "memory", "plot"])
+    args = parser.parse_args()
+    import torch
+
+    print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads -->\n")
+    sections = {
+        "memory": lambda: (section_memory(), section_flop_lines()),
+        "flops": lambda: section_flops(args.repeats),
+        "batched": lambda: section_batched(args.repeats),
+        "steps": lambda: section_steps(args.repeats),
+        "plot": lambda: section_plot(args.repeats),
+    }
+    for name, run in sections.items():
+        if args.only in (None, name):
+            run()
+
+
+if __name__ == "__main__":
+    main()
