@@ -110,7 +110,13 @@ def scale_by_fismo(
         return core.direction(G, s, refresh_roots=refresh)
 
     def init_fn(params: Any) -> ScaleByFismoState:
-        return ScaleByFismoState(jax.tree.map(lambda p: core.init(_as_matrix(p, matrix_shape)), params))
+        def init(p: Any) -> Any:
+            state = core.init(_as_matrix(p, matrix_shape))
+            # With every > 1 the step count is an int32 array from the start: lax.cond makes it
+            # one, and a Python int at step 0 would make jit trace a second time.
+            return state if every == 1 else state._replace(step=jnp.asarray(0, dtype=jnp.int32))
+
+        return ScaleByFismoState(jax.tree.map(init, params))
 
     def update_fn(updates: Any, state: ScaleByFismoState, params: Any = None) -> tuple[Any, ScaleByFismoState]:
         del params

@@ -36,6 +36,8 @@ from fismo_core.optimizer import FISMOState, InverseRootConfig, InverseRootError
 __all__ = ["FISMO", "param_groups"]
 
 _CORE_DEFAULTS = _CoreFISMO()
+_POLAR_FIELDS = {f.name for f in dataclasses.fields(PolarConfig)}
+_INV_ROOT_FIELDS = {f.name for f in dataclasses.fields(InverseRootConfig)}
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order.
 STATE_KEYS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
@@ -100,8 +102,11 @@ def _scalar(x: Union[float, torch.Tensor]) -> float:
 
 
 def _core_key(group: dict) -> tuple:
-    if not (isinstance(group["polar"], dict) and isinstance(group["inv_root"], dict)):
-        _validate_fismo_hparams(group, "a param group")  # a config object or method name set after construction
+    polar, inv_root = group["polar"], group["inv_root"]
+    if not (isinstance(polar, dict) and set(polar) == _POLAR_FIELDS and isinstance(inv_root, dict) and set(inv_root) == _INV_ROOT_FIELDS):
+        # A config object, a method name or a partial dict set after construction: completed here,
+        # so that a state_dict records every field (a checkpoint then resumes with the same schedule).
+        _validate_fismo_hparams(group, "a param group")
     return (
         group["beta"],
         group["gamma"],

@@ -114,7 +114,9 @@ class InverseRootConfig:
         the steps in between, lines 4–8 use the roots of the last
         recomputation, ``P_s^{-1/2}`` and ``Q_s^{-1/2}`` (``s`` that step)
         in place of ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (and their squares in
-        place of ``Q_{t-1}^{-1}``, ``P_t^{-1}``), and no root is checked.
+        place of ``Q_{t-1}^{-1}``, ``P_t^{-1}``), and no root is checked. A
+        root that fails on a recomputation step keeps ``P_{t-1}`` with the
+        root cached at the previous recomputation (with ``every = 1``: its own).
         That is *not* Algorithm 1: default 1, every step, which is.
         The measured effect on the direction is on the documentation page
         "Performance". Deciding needs a concrete step count; under
