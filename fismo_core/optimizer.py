@@ -488,6 +488,7 @@ class FISMO:
         m, n = G.shape[-2], G.shape[-1]
         P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
         P_failed = Q_failed = None
+        G_white_s = None
         if self.gamma == 1.0:
             # P~_t = P_{t-1}, whose trace is m: lines 4-5 return P_{t-1} and
             # Q_{t-1} unchanged, and so do their cached roots.
@@ -519,9 +520,14 @@ class FISMO:
             Q_new = self._updated_preconditioner(xp, Q, xp.matrix_transpose(P_is_G_s) @ P_is_G_s, m, inv_s2)
             if refresh:
                 Q_new, Q_is, Q_failed = self._inverse_root(xp, Q_new, Q, Q_is, "Q")
+            elif m < n:
+                # Cached roots: line 4's G_s Q^{-1/2} has the root line 6 needs, and
+                # P^{-1/2} (G_s Q^{-1/2}) costs m^2 n where (P^{-1/2} G_s) Q^{-1/2} costs m n^2.
+                G_white_s = P_is @ G_Q_is
             P, Q = P_new, Q_new
         # Line 6: G~_t = P_t^{-1/2} G_t Q_t^{-1/2} = scale (P_t^{-1/2} G_s) Q_t^{-1/2}, reusing line 5's product.
-        G_white_s = P_is_G_s @ Q_is
+        if G_white_s is None:
+            G_white_s = P_is_G_s @ Q_is
         # Line 7: M_t = beta M_{t-1} + (1 - beta) G~_t.
         G_white_coef = (1 - self.beta) * scale
         M = self.beta * state.M + G_white_coef * G_white_s

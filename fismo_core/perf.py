@@ -82,7 +82,8 @@ def step_flops(m: int, n: int, optimizer: Optional[FISMO] = None, *, refresh_roo
                 flops["eigh"] += root["eigh"]
     else:
         flops["line 5"] = _mm(m, m, n)  # P^{-1/2} G only
-    flops["line 6"] = _mm(m, n, n)
+    cached_wide = opt.gamma != 1.0 and not refresh_roots and m < n
+    flops["line 6"] = _mm(m, m, n) if cached_wide else _mm(m, n, n)  # P^{-1/2} (G Q^{-1/2}) : (P^{-1/2} G) Q^{-1/2}
     polar = opt.polar
     polar_products = polar_flops(m, n, polar.steps) if polar.method == "newton_schulz" else 0
     flops["line 8"] = polar_products + _mm(m, m, n) + _mm(m, n, n)
