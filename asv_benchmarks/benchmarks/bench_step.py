@@ -7,9 +7,6 @@ steps; the ``track_`` benchmarks divide by it.
 
 from __future__ import annotations
 
-from fismo_core import FISMO
-from fismo_core.perf import step_flops
-
 from .common import (
     ANCHORS,
     BACKENDS,
@@ -19,6 +16,7 @@ from .common import (
     VARIANTS,
     anchor_step,
     fismo_step,
+    flops_per_step,
     interleaved_medians,
     parse_shape,
     steps_per_call,
@@ -79,8 +77,7 @@ class Targets:
         muon = anchor_step("muon-float32", dims, device)
         self.medians = interleaved_medians({"fismo": fismo, "muon": muon}, REPEATS)
         self.per_step = self.medians["fismo"] / steps_per_call(variant)
-        m, n = dims[-2:]
-        self.flops = step_flops(m, n, FISMO(**VARIANTS[variant]))["total"]
+        self.flops = flops_per_step(variant, *dims[-2:])
 
     def track_ratio_to_muon_float32(self, variant, shape, device):
         return self.per_step / self.medians["muon"]

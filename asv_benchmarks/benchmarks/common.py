@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from fismo_core import FISMO
+from fismo_core.perf import step_flops
 from fismo_core.testing import targets
 
 #: The shapes of the issue: square, large square, wide, tall, and a batch of 16.
@@ -246,6 +247,17 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dic
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def flops_per_step(variant: str, m: int, n: int) -> float:
+    """Operations of one step of ``FISMO(**VARIANTS[variant])`` on an ``m x n`` matrix
+    (``fismo_core.perf.step_flops``), averaged over a cycle of ``InverseRootConfig.every`` steps:
+    one step recomputes the roots, the others reuse them."""
+    opt = FISMO(**VARIANTS[variant])
+    every = opt.inv_root.every
+    refresh = step_flops(m, n, opt)["total"]
+    cached = step_flops(m, n, opt, refresh_roots=False)["total"] if every > 1 else 0
+    return (refresh + (every - 1) * cached) / every
 
 
 def steps_per_call(name: str) -> int:

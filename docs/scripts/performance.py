@@ -6,7 +6,7 @@ within one run. The step callables are those of the asv suite (``asv_benchmarks/
 common.py``), so the page and the suite time the same code.
 
     python docs/scripts/performance.py                    # all tables and the plot (about 20 minutes)
-    python docs/scripts/performance.py --only flops       # one section: steps, flops, batched, memory, plot
+    python docs/scripts/performance.py --only flops       # one section: memory, functions, flops, batched, steps, plot
     python docs/scripts/performance.py --repeats 3        # fewer repeats (noisier)
 """
 
@@ -25,6 +25,7 @@ from benchmarks.common import (  # noqa: E402
     VARIANTS,
     anchor_step,
     fismo_step,
+    flops_per_step,
     interleaved_medians,
     steps_per_call,
 )
@@ -97,24 +98,25 @@ def matmul_rate(repeats: int) -> float:
 
 
 def section_flops(repeats: int) -> None:
-    print("### Achieved FLOP/s (torch CPU float32)\n")
-    print("| shape | step | FLOPs per step (matmul + eigh) | median time (ms) | GFLOP/s | % of matmul rate |")
+    print("### Achieved FLOP/s (torch CPU float32; eigh counted as 9 d³)\n")
+    print("| shape | step | GFLOP per step (of which eigh) | median time (ms) | GFLOP/s | % of matmul rate |")
     print("|---|---|---|---|---|---|")
+    names = ["eigh", "newton_schulz", "eigh-every10", "muon-float32"]
     for shape in [(1024, 1024), (768, 3072)]:
         m, n = shape
-        fns = step_functions(shape, ["eigh", "newton_schulz", "muon-float32"])
+        fns = step_functions(shape, names)
         rate_before = matmul_rate(repeats)
         times = per_step(interleaved_medians(fns, repeats))
         rate = (rate_before + matmul_rate(repeats)) / 2
-        for name in ("eigh", "newton_schulz", "muon-float32"):
+        for name in names:
             if name == "muon-float32":
                 flops, eigh = muon_flops(m, n), 0
             else:
-                counts = step_flops(m, n, FISMO(**VARIANTS[name]))
-                flops, eigh = counts["total"], counts["eigh"]
+                opt = FISMO(**VARIANTS[name])
+                flops, eigh = flops_per_step(name, m, n), step_flops(m, n, opt)["eigh"] / opt.inv_root.every
             achieved = flops / times[name]
-            split = f"{(flops - eigh) / 1e9:.1f} + {eigh / 1e9:.1f}" if eigh else f"{flops / 1e9:.1f}"
-            print(f"| {shape_name(shape)} | {LABELS[name]} | {split} G | {times[name] * 1e3:.0f} "
+            split = f"{flops / 1e9:.1f} ({eigh / 1e9:.1f})" if eigh else f"{flops / 1e9:.1f}"
+            print(f"| {shape_name(shape)} | {LABELS[name]} | {split} | {times[name] * 1e3:.0f} "
                   f"| {achieved / 1e9:.0f} | {100 * achieved / rate:.0f} % |")
         print(f"| | 1024×1024 matmul, measured before and after | | | {rate / 1e9:.0f} | 100 % |")
     print()
@@ -202,16 +204,57 @@ def section_plot(repeats: int) -> None:
     print(f"<!-- plot written to {PLOT.relative_to(ROOT)} -->\n")
 
 
+def section_matrix_functions(repeats: int) -> None:
+    import torch
+
+    from benchmarks.common import random_matrix, random_spd
+
+    from fismo_core import linalg
+
+    print("### Matrix functions (torch CPU float32; ms, median; in brackets, in 1024 × 1024 matmuls)\n")
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    methods = {
+        "eigh": {"method": "eigh"},
+        "Newton–Schulz, Polar Express, 9 steps": {"method": "newton_schulz"},
+        "Newton–Schulz, cubic, 22 steps": {"method": "newton_schulz", "coefficients": "cubic"},
+    }
+    print("| d | 1024² matmul | " + " | ".join(f"inverse_sqrt, {name}" for name in methods) + " |")
+    print("|---|---|" + "---|" * len(methods))
+    for d in (256, 1024, 3072):
+        A = torch.asarray(random_spd((d, d)), dtype=torch.float32)
+        fns = {"mm": lambda: a @ b}
+        fns.update({name: (lambda kw=kw: linalg.inverse_sqrt(A, **kw)) for name, kw in methods.items()})
+        times = interleaved_medians(fns, repeats if d < 3072 else 3)
+        mm = times.pop("mm")
+        print(f"| {d} | {mm * 1e3:.1f} | " + " | ".join(f"{t * 1e3:.0f} ({t / mm:.1f})" for t in times.values()) + " |")
+    polar_methods = {
+        "Muon quintic, 5 steps": {"coefficients": "muon", "steps": 5},
+        "Polar Express, 8 steps": {"coefficients": "polar_express", "steps": 8},
+        "SVD": {"method": "svd"},
+    }
+    print("\n| shape | " + " | ".join(f"polar, {name}" for name in polar_methods) + " |")
+    print("|---|" + "---|" * len(polar_methods))
+    for shape in ((1024, 1024), (768, 3072)):
+        X = torch.asarray(random_matrix(shape), dtype=torch.float32)
+        fns = {"mm": lambda: a @ b}
+        fns.update({name: (lambda kw=kw: linalg.polar(X, **kw)) for name, kw in polar_methods.items()})
+        times = interleaved_medians(fns, repeats)
+        mm = times.pop("mm")
+        print(f"| {shape_name(shape)} | " + " | ".join(f"{t * 1e3:.0f} ({t / mm:.1f})" for t in times.values()) + " |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["steps", "flops", "batched", "memory", "plot"])
+    parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot"])
     args = parser.parse_args()
     import torch
 
     print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads -->\n")
     sections = {
         "memory": lambda: (section_memory(), section_flop_lines()),
+        "functions": lambda: section_matrix_functions(args.repeats),
         "flops": lambda: section_flops(args.repeats),
         "batched": lambda: section_batched(args.repeats),
         "steps": lambda: section_steps(args.repeats),
