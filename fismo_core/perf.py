@@ -66,7 +66,8 @@ def step_flops(m: int, n: int, optimizer: Optional[FISMO] = None, *, refresh_roo
     fault checks when on), ``"eigh"`` (the eigendecompositions, if any, ``9 d^3`` each),
     ``"line 6"``, ``"line 8"`` (polar factor and un-whitening) and ``"total"`` (everything,
     ``eigh`` included). ``refresh_roots=False`` is a step of ``InverseRootConfig(every=k)`` that
-    reuses the cached roots. For a batch of ``B`` matrices multiply by ``B``.
+    reuses the cached roots (for ``m < n`` its line 6 is then ``P^{-1/2} (G Q^{-1/2})``, reusing
+    line 4's product). For a batch of ``B`` matrices multiply by ``B``.
     """
     opt = FISMO() if optimizer is None else optimizer
     flops = {"line 4": 0, "line 5": 0, "roots": 0, "eigh": 0, "line 6": 0, "line 8": 0}
