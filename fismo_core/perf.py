@@ -10,6 +10,12 @@ its count is kept apart (``"eigh"``) under the usual convention of
 be included or not. ``tests/test_perf.py`` checks the product counts
 against torch's own FLOP counter on a real step.
 
+Block-diagonal factors (``FISMO(block_size=B)``) split a side of size ``d > B``
+into blocks of sizes ``b_1, ..., b_k`` (``block_sizes``): a product with a
+block-diagonal ``d x d`` factor then costs ``sum b_i^2`` instead of ``d^2`` per
+column, an inverse root ``sum b_i^3`` instead of ``d^3``, and the factor holds
+``sum b_i^2 <= d B`` elements.
+
 The page "Performance" of the documentation uses these counts for the
 achieved FLOP/s of a step.
 """
@@ -21,7 +27,16 @@ from typing import Optional
 from . import linalg
 from .optimizer import FISMO, _checks_roots
 
-__all__ = ["EIGH_FLOPS_PER_CUBE", "muon_flops", "polar_flops", "inverse_sqrt_flops", "state_elements", "step_flops"]
+__all__ = [
+    "EIGH_FLOPS_PER_CUBE",
+    "block_sizes",
+    "inverse_sqrt_flops",
+    "muon_flops",
+    "muon_state_elements",
+    "polar_flops",
+    "state_elements",
+    "step_flops",
+]
 
 #: Conventional operation count of a symmetric eigendecomposition with vectors, per ``d^3``.
 EIGH_FLOPS_PER_CUBE = 9
@@ -29,6 +44,27 @@ EIGH_FLOPS_PER_CUBE = 9
 
 def _mm(p: int, q: int, r: int) -> int:
     return 2 * p * q * r
+
+
+def block_sizes(d: int, block_size: Optional[int] = None) -> list[int]:
+    """The diagonal block sizes of a ``d x d`` factor: ``[d]`` when ``block_size`` is None or
+    ``d <= block_size``, else ``d // B`` blocks of ``B`` and, if ``B`` does not divide ``d``, a last
+    block of ``d mod B`` (the convention of Distributed Shampoo and ``FISMO(block_size=B)``)."""
+    if block_size is None or d <= block_size:
+        return [d]
+    full, rest = divmod(d, block_size)
+    return [block_size] * full + ([rest] if rest else [])
+
+
+def _squares(d: int, block_size: Optional[int]) -> int:
+    """``sum b_i^2``: the elements of a block-diagonal ``d x d`` factor, and the cost of applying it
+    to one vector is twice that."""
+    return sum(b * b for b in block_sizes(d, block_size))
+
+
+def _cubes(d: int, block_size: Optional[int]) -> int:
+    """``sum b_i^3``: a product of two block-diagonal ``d x d`` factors costs twice that."""
+    return sum(b**3 for b in block_sizes(d, block_size))
 
 
 def polar_flops(m: int, n: int, steps: int = 5) -> int:
@@ -68,26 +104,35 @@ def step_flops(m: int, n: int, optimizer: Optional[FISMO] = None, *, refresh_roo
     ``eigh`` included). ``refresh_roots=False`` is a step of ``InverseRootConfig(every=k)`` that
     reuses the cached roots (for ``m < n`` its line 6 is then ``P^{-1/2} (G Q^{-1/2})``, reusing
     line 4's product). For a batch of ``B`` matrices multiply by ``B``.
+
+    With ``optimizer.block_size = B`` every product with a factor or a root costs
+    ``2 x sum b_i^2`` per column instead of ``2 x d^2`` (``block_sizes``), lines 4 and 5 form only
+    the diagonal blocks of their Gram matrices, and the roots are taken block by block
+    (``sum b_i^3`` instead of ``d^3``). The polar factor is that of the whole ``M``: unchanged.
     """
     opt = FISMO() if optimizer is None else optimizer
+    block = getattr(opt, "block_size", None)
+    # 2 x (sum of squared block sizes) x (the other side): one product with a (block-)diagonal factor.
+    left, right = 2 * n * _squares(m, block), 2 * m * _squares(n, block)  # P-side and Q-side products
     flops = {"line 4": 0, "line 5": 0, "roots": 0, "eigh": 0, "line 6": 0, "line 8": 0}
     if opt.gamma != 1.0:
-        flops["line 4"] = _mm(m, n, n) + _mm(m, n, m)  # G Q^{-1/2}, then its Gram matrix
-        flops["line 5"] = _mm(m, m, n) + _mm(n, m, n)  # P^{-1/2} G, then its Gram matrix
+        flops["line 4"] = right + left  # G Q^{-1/2}, then the diagonal blocks of its Gram matrix
+        flops["line 5"] = left + right  # P^{-1/2} G, then the diagonal blocks of its Gram matrix
         if refresh_roots:
             config = opt.inv_root
             checks = _checks_roots(config, opt.nonfinite)
             for d in (m, n):
-                root = inverse_sqrt_flops(d, config.method, config.steps, config.coefficients)
-                flops["roots"] += root["matmul"] + (2 * _mm(d, d, d) if checks else 0)  # ||Z A Z - I||
-                flops["eigh"] += root["eigh"]
+                for b in block_sizes(d, block):
+                    root = inverse_sqrt_flops(b, config.method, config.steps, config.coefficients)
+                    flops["roots"] += root["matmul"] + (2 * _mm(b, b, b) if checks else 0)  # ||Z A Z - I||
+                    flops["eigh"] += root["eigh"]
     else:
-        flops["line 5"] = _mm(m, m, n)  # P^{-1/2} G only
+        flops["line 5"] = left  # P^{-1/2} G only
     cached_wide = opt.gamma != 1.0 and not refresh_roots and m < n
-    flops["line 6"] = _mm(m, m, n) if cached_wide else _mm(m, n, n)  # P^{-1/2} (G Q^{-1/2}) : (P^{-1/2} G) Q^{-1/2}
+    flops["line 6"] = left if cached_wide else right  # P^{-1/2} (G Q^{-1/2}) : (P^{-1/2} G) Q^{-1/2}
     polar = opt.polar
     polar_products = polar_flops(m, n, polar.steps) if polar.method == "newton_schulz" else 0
-    flops["line 8"] = polar_products + _mm(m, m, n) + _mm(m, n, n)
+    flops["line 8"] = polar_products + left + right
     flops["total"] = sum(flops.values())
     return flops
 
@@ -97,10 +142,19 @@ def muon_flops(m: int, n: int, steps: int = 5) -> int:
     return polar_flops(m, n, steps)
 
 
-def state_elements(m: int, n: int) -> int:
+def state_elements(m: int, n: int, block_size: Optional[int] = None) -> int:
     """Array elements of a FISMO state for one ``m x n`` matrix: ``P``, ``Q``, their roots and ``M``.
 
-    ``2 m^2 + 2 n^2 + m n`` (plus two int32 counters). Per parameter that is
-    ``1 + 2 (m^2 + n^2) / (m n)`` elements: 5 for a square matrix.
+    Full factors (``block_size=None``, or ``block_size >= max(m, n)``): ``2 m^2 + 2 n^2 + m n``
+    (plus two int32 counters); per parameter that is ``1 + 2 (m^2 + n^2) / (m n)`` elements, 5 for
+    a square matrix. Block-diagonal factors keep only their diagonal blocks:
+    ``m n + 2 (sum_i a_i^2 + sum_j b_j^2)`` for the block sizes ``a_i`` of ``m`` and ``b_j`` of
+    ``n`` (``block_sizes``), which is at most ``m n + 2 (m + n) B``, with equality when ``B``
+    divides both sides (or a side is one block of size exactly ``B``).
     """
-    return 2 * m * m + 2 * n * n + m * n
+    return m * n + 2 * (_squares(m, block_size) + _squares(n, block_size))
+
+
+def muon_state_elements(m: int, n: int) -> int:
+    """Array elements of a Muon state for one ``m x n`` matrix: its momentum buffer, ``m n``."""
+    return m * n

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from fismo_core import FISMO
-from fismo_core.perf import inverse_sqrt_flops, muon_flops, state_elements, step_flops
+from fismo_core.perf import (
+    block_sizes,
+    inverse_sqrt_flops,
+    muon_flops,
+    muon_state_elements,
+    state_elements,
+    step_flops,
+)
 
 torch = pytest.importorskip("torch")
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
@@ -64,6 +71,66 @@ def test_flop_model_parts() -> None:
     # Lines 4-6 and the un-whitening: 7 products of 2 d^3; the roots: one product each; the polar: 5 steps of 6 d^3.
     assert square["total"] - square["eigh"] == (7 + 2) * 2 * 64**3 + muon_flops(64, 64)
     assert muon_flops(64, 64) == 5 * 6 * 64**3
+
+
+# --- Blocks ---------------------------------------------------------------------------------------
+
+
+def block_mask(d: int, B: int) -> np.ndarray:
+    """The d x d pattern of a block-diagonal factor with blocks of B (the last one the remainder),
+    built from indices, independently of ``block_sizes``: entry (i, j) is kept iff i // B == j // B."""
+    idx = np.arange(d)
+    return idx[:, None] // B == idx[None, :] // B
+
+
+@pytest.mark.parametrize("d,B", [(768, 256), (768, 768), (768, 1024), (2304, 1024), (5504, 1024), (11008, 512), (7, 3)])
+def test_block_sizes_follow_the_distributed_shampoo_convention(d: int, B: int) -> None:
+    """Contiguous blocks of B, the last holding the remainder; a side of size <= B is one block;
+    the block sizes are those of the index pattern (the run lengths of its diagonal blocks)."""
+    sizes = block_sizes(d, B)
+    assert sum(sizes) == d
+    assert all(b == B for b in sizes[:-1]) and 0 < sizes[-1] <= B
+    assert sizes == ([d] if d <= B else sizes)
+    mask = block_mask(d, B)
+    assert sum(b * b for b in sizes) == int(mask.sum())
+    assert block_sizes(d, None) == [d]
+
+
+@pytest.mark.parametrize("m,n", [(768, 2304), (768, 768), (768, 3072), (3072, 768), (2048, 5504), (4096, 11008), (5, 13)])
+@pytest.mark.parametrize("B", [1, 2, 256, 512, 768, 1024, 4096])
+def test_blocked_state_is_within_the_bound(m: int, n: int, B: int) -> None:
+    """A blocked state holds M (mn) and P, Q and their roots block by block (each the kept entries of
+    the block-diagonal pattern): at most mn + 2(m+n)B elements, exactly that when B divides both
+    sides, and the full FISMO state 2(m^2+n^2)+mn when B >= max(m, n). Muon keeps mn."""
+    kept = m * n + 2 * (int(block_mask(m, B).sum()) + int(block_mask(n, B).sum()))
+    assert state_elements(m, n, B) == kept
+    assert kept <= m * n + 2 * (m + n) * B
+    if m % B == 0 and n % B == 0:
+        assert kept == m * n + 2 * (m + n) * B
+    if B >= max(m, n):
+        assert kept == state_elements(m, n) == 2 * (m * m + n * n) + m * n
+    assert muon_state_elements(m, n) == m * n < kept
+
+
+def test_blocked_flop_model_by_hand() -> None:
+    """768 x 3072 with B = 768: P is one 768 block, Q four; every product with a factor costs
+    2 * 768 * (768 * 768) per block column, the roots are 5 eighs of 768 (9 d^3 each), and the
+    polar factor of the whole M is Muon's."""
+
+    class Blocked:  # the attributes step_flops reads, for a block size the core is asked for
+        gamma, block_size, nonfinite = 0.95, 768, "propagate"
+        inv_root, polar = FISMO().inv_root, FISMO().polar
+
+    m, n, B = 768, 3072, 768
+    model = step_flops(m, n, Blocked())
+    product = 2 * m * n * B  # a factor applied to G, block by block (equal on both sides here)
+    assert model["line 4"] == model["line 5"] == 2 * product
+    assert model["line 6"] == product
+    assert model["eigh"] == 5 * 9 * B**3
+    assert model["roots"] == 5 * 2 * B**3
+    assert model["line 8"] == muon_flops(m, n) + 2 * product
+    full = step_flops(m, n, FISMO(nonfinite="propagate"))
+    assert full["line 8"] == muon_flops(m, n) + 2 * m * m * n + 2 * m * n * n
 
 
 # --- Memory ---------------------------------------------------------------------------------------
