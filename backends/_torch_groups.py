@@ -1,0 +1,333 @@
+"""Param-group routing of the torch adapter: which tensors FISMO takes, which AdamW takes, and their hyperparameters.
+
+Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]; import the
+public names from there. This module holds
+
+- the two algorithms' group keys and defaults (`ADAMW_DEFAULTS`, the core's
+  defaults for FISMO groups) and their validation,
+- `route_group`, which fills and checks a group before
+  ``Optimizer.add_param_group`` stores it,
+- `param_groups`, the helper that splits a module into a FISMO and an AdamW group,
+- the AdamW route (`adamw_group_step`, ``torch.optim.adamw.adamw`` bit for bit),
+- the core instance for a group's hyperparameters (`core_key`, `make_core`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import torch
+from torch.optim.adamw import adamw as _adamw
+
+from fismo_core.optimizer import FISMO as _CoreFISMO
+from fismo_core.optimizer import InverseRootConfig, PolarConfig
+
+from ._torch_distributed import is_dtensor, validate_dtensor
+
+CORE_DEFAULTS = _CoreFISMO()
+_POLAR_FIELDS = {f.name for f in dataclasses.fields(PolarConfig)}
+_INV_ROOT_FIELDS = {f.name for f in dataclasses.fields(InverseRootConfig)}
+
+ALGORITHMS = ("fismo", "adamw")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+#: Defaults of an ``"adamw"`` group: those of ``torch.optim.AdamW``.
+ADAMW_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 1e-2,
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+}
+FISMO_ONLY_KEYS = ("beta", "gamma", "mu", "polar", "inv_root", "nesterov", "adjust_lr_fn", "statistics", "nonfinite")
+ADAMW_ONLY_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach")
+
+
+# ---------------------------------------------------------------- small helpers
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """A weight of shape ``(out, *rest)`` is optimised as the matrix ``(out, prod(rest))``."""
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], m: int, n: int) -> float:
+    """``torch.optim.Muon``'s shape-dependent learning rate, on the (flattened) matrix shape ``(m, n)``."""
+    if adjust_lr_fn is None:
+        return lr
+    if adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, m / n))
+    return lr * 0.2 * math.sqrt(max(m, n))  # "match_rms_adamw"
+
+
+def scalar(x: Union[float, torch.Tensor]) -> float:
+    """A Python number from a number or a one-element tensor (a tensor ``lr``)."""
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+def scalar_dtype() -> torch.dtype:
+    """The dtype of AdamW's step counter, as ``torch.optim.AdamW`` chooses it."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def param_name(group: dict, index: int, group_index: int) -> str:
+    """How error messages name parameter ``index`` of ``group``: its name when known, else index, group and shape."""
+    names = group.get("param_names")
+    if names and index < len(names):
+        return f"parameter {names[index]!r}"
+    p = group["params"][index]
+    return f"parameter {index} of param group {group_index} (shape {tuple(p.shape)})"
+
+
+# ---------------------------------------------------------------- the core of a group
+def core_key(group: dict) -> tuple:
+    """The hyperparameters of ``group`` that define its core instance, as a hashable key."""
+    polar, inv_root = group["polar"], group["inv_root"]
+    if not (isinstance(polar, dict) and set(polar) == _POLAR_FIELDS and isinstance(inv_root, dict) and set(inv_root) == _INV_ROOT_FIELDS):
+        # A config object, a method name or a partial dict set after construction: completed here,
+        # so that a state_dict records every field (a checkpoint then resumes with the same schedule).
+        validate_fismo_hparams(group, "a param group")
+    return (
+        group["beta"],
+        group["gamma"],
+        group["mu"],
+        tuple(sorted(group["polar"].items())),
+        tuple(sorted(group["inv_root"].items())),
+        group["nesterov"],
+        group.get("statistics", CORE_DEFAULTS.statistics),  # absent from checkpoints saved before it existed
+        group.get("nonfinite", "raise"),  # likewise
+    )
+
+
+def make_core(key: tuple) -> _CoreFISMO:
+    """The core optimizer for one set of hyperparameters.
+
+    Only `direction` is called, which does not use the
+    learning rate or the weight decay (line 9 is applied by the adapter with
+    the group's current lr, which schedulers may set to 0, a value the core's
+    constructor rejects); they stay at the core's defaults.
+
+    Non-finite gradients are handled by the adapter before the core is
+    called (so that errors name the parameter), so the core runs with
+    ``nonfinite="propagate"``; its inverse-root checks follow the group's
+    ``nonfinite`` policy, as they would in the core, unless ``inv_root``
+    sets ``fallback``.
+    """
+    beta, gamma, mu, polar, inv_root, nesterov, statistics, nonfinite = key
+    inv_root = dict(inv_root)
+    if inv_root.get("fallback") is None:
+        inv_root["fallback"] = nonfinite != "propagate"
+    return _CoreFISMO(
+        beta=beta,
+        gamma=gamma,
+        mu=mu,
+        polar=dict(polar),
+        inv_root=inv_root,
+        nesterov=nesterov,
+        statistics=statistics,
+        nonfinite="propagate",
+    )
+
+
+# ---------------------------------------------------------------- validation
+def validate_fismo_hparams(hp: dict, where: str) -> None:
+    """Check a FISMO group's hyperparameters (the core checks its own) and store ``polar``/``inv_root`` as dicts."""
+    lr = hp["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{where}: a tensor lr must have one element")
+        lr = lr.item()
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"{where}: lr must be a finite number >= 0, got {hp['lr']!r}")
+    if hp["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {hp['adjust_lr_fn']!r}"
+        )
+    try:
+        # The core validates beta, gamma, mu, weight_decay, nesterov, polar and inv_root.
+        core = _CoreFISMO(
+            beta=hp["beta"],
+            gamma=hp["gamma"],
+            mu=hp["mu"],
+            polar=hp["polar"],
+            inv_root=hp["inv_root"],
+            weight_decay=hp["weight_decay"],
+            nesterov=hp["nesterov"],
+            statistics=hp.get("statistics", CORE_DEFAULTS.statistics),
+            nonfinite=hp.get("nonfinite", "raise"),
+        )
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+    # Plain dicts, so that a state_dict loads with torch.load(weights_only=True).
+    hp["polar"] = dataclasses.asdict(core.polar)
+    hp["inv_root"] = dataclasses.asdict(core.inv_root)
+
+
+def validate_adamw_hparams(group: dict, where: str) -> None:
+    """Check an AdamW group's hyperparameters as ``torch.optim.AdamW`` does."""
+    lr = scalar(group["lr"])
+    if not 0.0 <= lr:
+        raise ValueError(f"{where}: invalid AdamW lr {group['lr']!r}")
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"{where}: invalid AdamW eps {group['eps']!r}")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= scalar(b) < 1.0 for b in betas):
+        raise ValueError(f"{where}: AdamW betas must be two numbers in [0, 1), got {betas!r}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"{where}: invalid AdamW weight_decay {group['weight_decay']!r}")
+
+
+def validate_matrix_param(p: Any, name: str) -> None:
+    """A tensor of a FISMO group: real floating, at least 2 dimensions."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name}: optimizer can only optimize Tensors, got {type(p).__name__}")
+    if p.ndim < 2:
+        raise ValueError(
+            f"{name} has shape {tuple(p.shape)}: FISMO optimises matrices (2-D weights, or conv weights "
+            "flattened to (out, in*kh*kw)). Put 1-D tensors (biases, norm scales) in an AdamW group: "
+            "{'params': [...], 'algorithm': 'adamw'}"
+        )
+    if torch.is_complex(p):
+        raise TypeError(f"{name} is complex ({p.dtype}); FISMO supports real matrices only (AdamW groups take complex)")
+    if not p.is_floating_point():
+        raise TypeError(f"{name} has dtype {p.dtype}; FISMO needs floating-point parameters")
+
+
+# ---------------------------------------------------------------- routing
+def route_group(param_group: dict, defaults: dict, where: str) -> dict:
+    """The group ``Optimizer.add_param_group`` should store: algorithm set, keys checked, AdamW defaults filled.
+
+    ``defaults`` are the optimizer's (FISMO's) defaults; ``where`` names the
+    group in error messages. Nothing is stored here: an error leaves the
+    optimizer as it was.
+    """
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+    group = dict(param_group)
+    params = group.get("params")
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set) or params is None:
+        raise TypeError("optimizer params need to be organized in ordered collections (a list of tensors)")
+    params = list(params)
+    group["params"] = params
+    algorithm = group.setdefault("algorithm", "fismo")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{where}: unknown algorithm {algorithm!r}; use 'fismo' (matrices) or 'adamw'")
+    named = [(p if isinstance(p, tuple) else (None, p)) for p in params]
+    if algorithm == "adamw":
+        wrong = [k for k in FISMO_ONLY_KEYS if k in group]
+        if wrong:
+            raise ValueError(
+                f"{where} is an 'adamw' group but sets FISMO's {wrong}; AdamW takes {list(ADAMW_DEFAULTS)}"
+            )
+        for key, value in ADAMW_DEFAULTS.items():
+            group.setdefault(key, value)
+        validate_adamw_hparams(group, where)
+    else:
+        wrong = [k for k in ADAMW_ONLY_KEYS if k in group]
+        if wrong:
+            raise ValueError(
+                f"{where} is a FISMO group but sets AdamW's {wrong}; "
+                "mark the group with \"algorithm\": \"adamw\" if it is meant for AdamW"
+            )
+        merged = {**defaults, **{k: v for k, v in group.items() if k in defaults}}
+        validate_fismo_hparams(merged, where)
+        for key in ("polar", "inv_root"):
+            if key in group:
+                group[key] = merged[key]
+        for i, (name, p) in enumerate(named):
+            label = f"parameter {name!r}" if name is not None else f"parameter {i} of {where}"
+            validate_matrix_param(p, label)
+            if is_dtensor(p):
+                validate_dtensor(p, label)
+    return group
+
+
+def drop_fismo_keys(group: dict) -> None:
+    """``Optimizer.add_param_group`` fills in FISMO's defaults; an AdamW group has none of them."""
+    for key in FISMO_ONLY_KEYS:
+        group.pop(key, None)
+
+
+# ---------------------------------------------------------------- the AdamW route
+def adamw_group_step(state: dict, group: dict) -> None:
+    """One ``torch.optim.AdamW`` step (``capturable=False``, ``fused=False``) of an ``"adamw"`` group.
+
+    ``state`` is the optimizer's per-parameter state; keys and arithmetic are ``torch.optim.AdamW``'s.
+    """
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+    has_complex = False
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        has_complex |= torch.is_complex(p)
+        s = state[p]
+        if not s:  # as torch.optim.AdamW (capturable=False, fused=False)
+            s["step"] = torch.tensor(0.0, dtype=scalar_dtype())
+            s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(s["exp_avg"])
+        exp_avg_sqs.append(s["exp_avg_sq"])
+        if group["amsgrad"]:
+            max_exp_avg_sqs.append(s["max_exp_avg_sq"])
+        steps.append(s["step"])
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    _adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        foreach=group["foreach"],
+        has_complex=has_complex,
+        amsgrad=group["amsgrad"],
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+    )
+
+
+# ---------------------------------------------------------------- the helper
+def param_groups(
+    module: torch.nn.Module,
+    *,
+    adamw: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    adamw_options: Optional[dict] = None,
+) -> list[dict]:
+    """Split a module's trainable parameters the way Muon users do.
+
+    Tensors with fewer than 2 dimensions, ``nn.Embedding`` weights and every
+    parameter for which ``adamw(name, p)`` is true (say, the output head)
+    go to an ``"adamw"`` group with ``adamw_options``; the other matrices
+    (linear and conv weights) go to a FISMO group. Empty groups are left out.
+    """
+    embedding_weights = {
+        id(m.weight) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+    }
+    matrices: list[torch.nn.Parameter] = []
+    others: list[torch.nn.Parameter] = []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        to_adamw = p.ndim < 2 or id(p) in embedding_weights or (adamw is not None and adamw(name, p))
+        (others if to_adamw else matrices).append(p)
+    groups: list[dict] = []
+    if matrices:
+        groups.append({"params": matrices})
+    if others:
+        groups.append({"params": others, "algorithm": "adamw", **(adamw_options or {})})
+    return groups

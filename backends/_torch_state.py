@@ -1,0 +1,212 @@
+"""Per-parameter state of the torch adapter, and the checks made before anything changes.
+
+Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]. This module holds
+
+- the layout of a FISMO parameter's state in ``optimizer.state[p]``
+  (`STATE_KEYS`, `COUNTER_KEYS`, `init_matrix_state`),
+- the checkpoint checks and the precision-preserving restore of
+  ``load_state_dict`` (`check_saved_state`, `restore_saved_state`),
+- the gradient checks of a step (`check_grads`: layout, dtype, shape, and
+  NaN/infinity under the groups' ``nonfinite`` policy).
+
+Every check raises before any parameter or state is touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fismo_core.optimizer import FISMO as _CoreFISMO
+from fismo_core.optimizer import state_dtype as _core_state_dtype
+
+from ._torch_distributed import is_dtensor, local_device
+from ._torch_groups import matrix_shape, param_name
+
+#: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order.
+STATE_KEYS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
+#: The per-parameter int32 counters (``FISMOState.skipped``, ``.root_failures``), 0-d tensors.
+COUNTER_KEYS = ("skipped", "root_failures")
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The core's precision policy (``fismo_core.state_dtype``) for a torch dtype."""
+    return _core_state_dtype(torch, dtype)
+
+
+def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Fill an empty ``state`` from ``core.init`` for a matrix of ``G``'s shape and parameter dtype ``dtype``.
+
+    Also adds the counters to a state from before they existed. Returns ``state``.
+    """
+    if not state:
+        init = core.init(torch.empty(G.shape, dtype=dtype, device=G.device))
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["P"], state["Q"], state["M"] = init.P, init.Q, init.M
+        # The core returns the roots as arrays of their own, so in-place updates never alias P.
+        state["P_inv_sqrt"], state["Q_inv_sqrt"] = init.P_inv_sqrt, init.Q_inv_sqrt
+    for key in COUNTER_KEYS:  # also for states from before the counters existed
+        if key not in state:
+            state[key] = torch.zeros((), dtype=torch.int32, device=state["P"].device)
+    return state
+
+
+# ---------------------------------------------------------------- checkpoints
+def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list) -> None:
+    """`load_state_dict`'s checks of the FISMO states against the parameters, before anything changes."""
+    if len(saved_groups) != len(param_groups) or any(
+        len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, param_groups)
+    ):
+        return  # Optimizer.load_state_dict raises its own error for these
+    for gi, (saved_group, group) in enumerate(zip(saved_groups, param_groups)):
+        if group.get("algorithm", "fismo") != "fismo":
+            continue
+        if saved_group.get("algorithm", "fismo") != "fismo":
+            raise ValueError(
+                f"param group {gi} is a FISMO group, but the checkpoint's group {gi} is an "
+                f"{saved_group['algorithm']!r} group (were the groups saved in another order?)"
+            )
+        for i, (index, p) in enumerate(zip(saved_group["params"], group["params"])):
+            saved = saved_state.get(index)
+            if not saved:
+                continue
+            name = param_name(group, i, gi)
+            missing = [key for key in ("step", *STATE_KEYS) if key not in saved]
+            if missing:
+                raise KeyError(
+                    f"the checkpoint's state for {name} lacks {missing} (it has {sorted(saved)}): "
+                    "not a FISMO state, or saved for another parameter order"
+                )
+            m, n = matrix_shape(p.shape)
+            expected = {"P": (m, m), "Q": (n, n), "M": (m, n), "P_inv_sqrt": (m, m), "Q_inv_sqrt": (n, n)}
+            for key, shape in expected.items():
+                value = saved[key]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"{name} has shape {tuple(p.shape)} (optimised as the matrix {m}x{n}), so its state "
+                        f"{key!r} must have shape {shape}; the checkpoint has {got} (was it saved for another "
+                        "model, or with the parameters in another order?)"
+                    )
+                if not value.is_floating_point():
+                    raise TypeError(f"the checkpoint's state {key!r} of {name} has dtype {value.dtype}, not a float")
+            for key in COUNTER_KEYS:
+                value = saved.get(key)
+                if value is not None and (
+                    not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_floating_point()
+                ):
+                    raise ValueError(f"the checkpoint's counter {key!r} of {name} must be one integer, got {value!r}")
+
+
+def restore_saved_state(state: dict, param_groups: list, saved_state: dict, saved_groups: list) -> None:
+    """After ``Optimizer.load_state_dict``: FISMO states again at their own precision, copied from the saved tensors.
+
+    The base class casts every floating state tensor to its parameter's
+    dtype; the statistics are restored in the state dtype, the counters as
+    int32 (0 when the checkpoint predates them).
+    """
+    for saved_group, group in zip(saved_groups, param_groups):
+        if group.get("algorithm", "fismo") != "fismo":
+            continue
+        if isinstance(group["inv_root"], dict) and "coefficients" not in group["inv_root"]:
+            # Saved before InverseRootConfig had coefficients: its Newton–Schulz roots were cubic.
+            group["inv_root"] = {**group["inv_root"], "coefficients": "cubic"}
+        for index, p in zip(saved_group["params"], group["params"]):
+            saved = saved_state.get(index)
+            if not saved or p not in state:
+                continue
+            s = state[p]
+            dtype = state_dtype(p.dtype)
+            device = local_device(p)
+            # Copies (copy=True): FISMO updates its state in place, so a state_dict taken from
+            # another live optimizer must not share tensors with it.
+            for key in STATE_KEYS:
+                if key in saved:
+                    s[key] = saved[key].to(device=device, dtype=dtype, copy=True)
+            for key in COUNTER_KEYS:
+                if key in saved:
+                    s[key] = saved[key].to(device=device, dtype=torch.int32, copy=True)
+                else:
+                    s[key] = torch.zeros((), dtype=torch.int32, device=device)
+            if isinstance(s.get("step"), torch.Tensor) and s["step"] is saved.get("step"):
+                s["step"] = s["step"].clone()
+
+
+# ---------------------------------------------------------------- gradients
+def check_grads(param_groups: list) -> set:
+    """Every gradient is checked before any parameter or state changes.
+
+    Returns the ids of the FISMO parameters to skip this step (``nonfinite="skip"``).
+    """
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            name = param_name(group, i, gi)
+            if g.is_sparse or g.layout != torch.strided:
+                raise RuntimeError(
+                    f"{name} has a sparse gradient ({g.layout}); FISMO and its AdamW groups need dense "
+                    "gradients (use torch.optim.SparseAdam, or nn.Embedding(sparse=False))"
+                )
+            if group["algorithm"] == "fismo":
+                if torch.is_complex(g):
+                    raise TypeError(f"{name} has a complex gradient ({g.dtype}); FISMO supports real matrices only")
+                if not g.is_floating_point():
+                    raise TypeError(f"{name} has a non-floating gradient ({g.dtype})")
+                if tuple(g.shape) != tuple(p.shape):
+                    raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}")
+    return _check_finite_grads(param_groups)
+
+
+def _check_finite_grads(param_groups: list) -> set:
+    """NaN and infinity in FISMO gradients, per the groups' ``nonfinite`` policy: raise, or the set to skip.
+
+    One host read per step (the flags of all parameters stacked); a
+    sharded (FSDP2) gradient's flag is reduced over its mesh first, so
+    every rank takes the same decision.
+    """
+    checks: list[tuple[int, int, Any, torch.Tensor]] = []  # (group index, param index, p, flag)
+    for gi, group in enumerate(param_groups):
+        if group["algorithm"] != "fismo" or group.get("nonfinite", "raise") == "propagate":
+            continue
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            local = p.grad.to_local() if is_dtensor(p.grad) else p.grad
+            flag = torch.isfinite(local).all().to(torch.int32)
+            if is_dtensor(p):
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=p.device_mesh.get_group())
+            checks.append((gi, i, p, flag))
+    if not checks:
+        return set()
+    by_device: dict[torch.device, list[int]] = {}
+    for k, (*_, flag) in enumerate(checks):
+        by_device.setdefault(flag.device, []).append(k)
+    finite = [True] * len(checks)
+    for ks in by_device.values():
+        for k, ok in zip(ks, torch.stack([checks[k][3] for k in ks]).tolist()):
+            finite[k] = bool(ok)
+    skip = set()
+    for (gi, i, p, _), ok in zip(checks, finite):
+        if ok:
+            continue
+        group = param_groups[gi]
+        if group.get("nonfinite", "raise") == "skip":
+            skip.add(id(p))
+            continue
+        g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
+        nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
+        names = group.get("param_names")
+        if names and i < len(names):
+            label = f"parameter {names[i]!r} (index {i} in param group {gi}, shape {tuple(p.shape)})"
+        else:
+            label = f"parameter {i} of param group {gi} (shape {tuple(p.shape)})"
+        raise ValueError(
+            f"the gradient of {label} contains {nan} NaN and {inf} infinite values (of {g.numel()} entries"
+            f"{' on this rank' if is_dtensor(p) else ''}); FISMO took no step: every parameter, every FISMO "
+            "state (P, Q, M, roots) and every step count is as it was. Check the loss and the gradient "
+            "computation, or pass nonfinite='skip' to skip such parameters"
+        )
+    return skip
