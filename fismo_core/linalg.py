@@ -24,7 +24,9 @@ from array_api_compat import array_namespace, device
 __all__ = [
     "CUBIC_COEFFICIENTS",
     "MUON_COEFFICIENTS",
+    "POLAR_DTYPE_NAMES",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "default_polar_rtol",
     "inverse_sqrt",
     "inverse_sqrt_steps",
     "newton_schulz_schedule",
@@ -185,6 +187,59 @@ def _check_float_matrices(X: Array, name: str, *, square: bool = False) -> Any:
     return xp
 
 
+#: The iteration dtypes ``polar(..., dtype=...)`` accepts by name, resolved in the input's namespace.
+POLAR_DTYPE_NAMES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float64")
+
+
+def default_polar_rtol(X: Array) -> float:
+    """The default relative cut of ``polar(X, method="svd")``: ``max(m, n) * eps`` of ``X``'s dtype.
+
+    The rank tolerance of ``numpy.linalg.matrix_rank``: singular values at or
+    below ``max(m, n) * eps * sigma_max`` of each matrix count as zero. A
+    matrix of rank ``r`` that is exact up to rounding in its dtype has its
+    other singular values at about ``eps * sigma_max``, below the cut.
+    """
+    xp = _check_float_matrices(X, "X")
+    m, n = X.shape[-2], X.shape[-1]
+    return max(m, n) * float(xp.finfo(X.dtype).eps)
+
+
+def _check_rtol(rtol: Any) -> Optional[float]:
+    if rtol is None:
+        return None
+    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real):
+        raise ValueError(f"rtol must be None or a real number in [0, 1), got {rtol!r}")
+    value = float(rtol)
+    if not (0.0 <= value < 1.0):  # also rejects NaN
+        raise ValueError(f"rtol must be None or a real number in [0, 1), got {rtol!r}")
+    return value
+
+
+def _resolve_dtype(xp: Any, dtype: Any) -> Any:
+    """``dtype`` (a name in `POLAR_DTYPE_NAMES` or a real floating dtype of ``xp``) as a dtype of ``xp``."""
+    if isinstance(dtype, str):
+        if dtype not in POLAR_DTYPE_NAMES:
+            raise ValueError(f"unknown iteration dtype {dtype!r}: use one of {', '.join(map(repr, POLAR_DTYPE_NAMES))} or None")
+        resolved = getattr(xp, dtype, None)
+        if resolved is None:
+            library = getattr(xp, "__name__", str(xp)).replace("array_api_compat.", "")
+            raise ValueError(
+                f"dtype={dtype!r}: the array library of X ({library}) has no {dtype} dtype; "
+                "use a dtype it has (NumPy and array-api-strict have no bfloat16), or run on torch or JAX"
+            )
+        return resolved
+    try:
+        ok = bool(xp.isdtype(dtype, "real floating"))
+    except Exception:  # a dtype of another library, or not a dtype at all
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"dtype must be None, one of {', '.join(map(repr, POLAR_DTYPE_NAMES))} or a real floating dtype "
+            f"of X's array library, got {dtype!r}"
+        )
+    return dtype
+
+
 def polar(
     X: Array,
     *,
@@ -192,22 +247,32 @@ def polar(
     steps: int = 5,
     coefficients: Coefficients = "muon",
     eps: float = 1e-7,
+    rtol: Optional[float] = None,
+    dtype: Any = None,
 ) -> Array:
-    """Orthogonal polar factor ``Polar(X) = U V^T`` of ``X = U S V^T``, batched.
+    """Polar factor ``Polar(X) = U_r V_r^T`` of ``X = U S V^T``, batched.
+
+    ``U_r``, ``V_r`` are the singular vectors of the ``r`` non-zero singular
+    values. For full-rank ``X`` this is the orthogonal polar factor ``U V^T``;
+    for rank-deficient ``X`` it is the unique minimum-norm polar factor, a
+    partial isometry (``Y Y^T Y = Y``, rank ``r``) that maps the null space
+    of ``X`` to zero: every other polar factor adds an arbitrary isometry on
+    the null spaces, which is what LAPACK drivers pick differently.
 
     Parameters
     ----------
     X:
         Real floating array of shape ``(..., m, n)``.
     method:
-        ``"svd"``: exact, from the thin SVD (``U @ Vh``); for rank-deficient
-        ``X`` the factor is not unique and the SVD's choice is returned.
-        ``"newton_schulz"``: matmul-only. ``X`` is divided by
-        ``max(safety * ||X||_F, eps)`` so every singular value lies in
-        ``[0, 1]``, transposed to its short side when ``m > n`` (the Gram
-        matrix is then ``min(m, n)`` square), and each step applies the odd
-        quintic ``X <- a X + b (X X^T) X + c (X X^T)^2 X`` to the singular
-        values.
+        ``"svd"``: exact, from the thin SVD: ``U_r @ Vh_r`` where the kept
+        singular values are those above ``rtol * sigma_max`` (per matrix);
+        ``X = 0`` maps to ``0``. ``"newton_schulz"``: matmul-only. ``X`` is
+        divided by ``max(safety * ||X||_F, eps)`` so every singular value
+        lies in ``[0, 1]``, transposed to its short side when ``m > n`` (the
+        Gram matrix is then ``min(m, n)`` square), and each step applies the
+        odd quintic ``X <- a X + b (X X^T) X + c (X X^T)^2 X`` to the
+        singular values; a zero singular value stays zero (see
+        ``docs/linalg.md`` for rank-deficient input and long schedules).
     steps:
         Newton–Schulz steps (ignored by ``"svd"``).
     coefficients:
@@ -219,6 +284,26 @@ def polar(
         Or an explicit sequence of ``(a, b, c)`` triples (the last repeats).
     eps:
         Lower bound of the normaliser, so that ``X = 0`` maps to ``0``.
+    rtol:
+        ``"svd"`` only (ignored by ``"newton_schulz"``, but validated): the
+        relative cut. Singular values ``s <= rtol * sigma_max`` of each matrix
+        are dropped. ``None`` (default): ``max(m, n) * eps`` of ``X``'s dtype
+        (:func:`default_polar_rtol`, the tolerance of
+        ``numpy.linalg.matrix_rank``), which drops the rounding-level
+        singular values of a matrix that is rank-deficient up to rounding
+        and no others unless ``X`` is that ill conditioned. A real number in
+        ``[0, 1)``; ``0`` drops exact zeros only.
+    dtype:
+        ``"newton_schulz"`` only: the dtype the iteration runs in. ``None``
+        (default): ``X``'s. A name, ``"bfloat16"``, ``"float16"``,
+        ``"float32"`` or ``"float64"``, resolved in ``X``'s array library (a
+        library without it, such as NumPy for ``"bfloat16"``, is a
+        ``ValueError`` naming the library), or a real floating dtype of that
+        library. The normalisation runs in ``X``'s dtype, the steps in
+        ``dtype``, and the result is returned in ``X``'s dtype. ``"bfloat16"``
+        is how ``torch.optim.Muon`` runs its iteration. With ``"svd"`` a
+        ``dtype`` other than ``None`` is a ``ValueError``: the exact path is
+        the reference and computes in ``X``'s dtype.
 
     Accuracy
     --------
@@ -244,12 +329,23 @@ def polar(
     to rounding.
     """
     xp = _check_float_matrices(X, "X")
+    rtol = _check_rtol(rtol)
     if method == "svd":
-        U, _, Vh = xp.linalg.svd(X, full_matrices=False)
-        return U @ Vh
+        if dtype is not None:
+            raise ValueError(
+                f"dtype={dtype!r} is the Newton–Schulz iteration dtype; method='svd' is exact and computes in "
+                "X's dtype: pass dtype=None"
+            )
+        U, S, Vh = xp.linalg.svd(X, full_matrices=False)
+        if S.shape[-1] == 0:  # m or n is 0: nothing to cut
+            return U @ Vh
+        cut = (default_polar_rtol(X) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
+        keep = xp.astype(S > cut, U.dtype)  # 1 for s > rtol * s_max, else 0: U * 1 is U bit for bit
+        return (U * keep[..., None, :]) @ Vh
     if method != "newton_schulz":
         raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")
     schedule, safety = newton_schulz_schedule(coefficients, steps)
+    compute_dtype = X.dtype if dtype is None else _resolve_dtype(xp, dtype)
     transposed = X.shape[-2] > X.shape[-1]
     Y = xp.matrix_transpose(X) if transposed else X
     # ||Y||_F is taken of Y / s, s a power of two (_pow2_scale): the sum of squares cannot
@@ -260,9 +356,13 @@ def polar(
     norm = xp.linalg.matrix_norm(Y, keepdims=True)
     # maximum, not clip: array-api-compat's CuPy clip indexes with a mask, a host sync.
     Y = Y / xp.maximum(safety * norm, eps / s)
+    # The normalisation above runs in X's dtype (a bfloat16 norm would lose the scale);
+    # the iteration in compute_dtype (a no-op cast when it is X's dtype).
+    Y = xp.astype(Y, compute_dtype, copy=False)
     for a, b, c in schedule:
         gram = Y @ xp.matrix_transpose(Y)
         Y = a * Y + (b * gram + c * (gram @ gram)) @ Y
+    Y = xp.astype(Y, X.dtype, copy=False)
     return xp.matrix_transpose(Y) if transposed else Y
 
 
