@@ -9,7 +9,10 @@ from typing import Optional
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="fismo", description="FISMO optimizer: reference implementation tools.")
+    parser.add_argument("--version", action="version", version=f"fismo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser(
         "verify",
