@@ -10,14 +10,20 @@ from __future__ import annotations
 from .common import (
     ANCHORS,
     BACKENDS,
+    BLOCK_SIZES,
+    MODEL_ANCHORS,
+    MODEL_SETS,
+    MODEL_VARIANTS,
     SHAPES,
     SMOKE,
+    STEP_VARIANTS,
     TORCH_DEVICES,
     VARIANTS,
     anchor_step,
     fismo_step,
     flops_per_step,
     interleaved_medians,
+    model_fismo_step,
     parse_shape,
     steps_per_call,
     torch_device,
@@ -31,7 +37,7 @@ REPEATS = 2 if SMOKE else 7
 
 
 class FISMOStep:
-    params = (list(VARIANTS), BACKENDS, SHAPES)
+    params = (STEP_VARIANTS, BACKENDS, SHAPES)
     param_names = ["variant", "backend", "shape"]
     timeout = 900
 
@@ -131,3 +137,62 @@ class Batched:
         return self.medians["separate"] / self.medians["batched"]
 
     track_separate_over_batched.unit = "16 separate calls / 1 batched call"
+
+
+def model_step(name: str, model: str, device: str):
+    """One step of FISMO variant or anchor ``name`` over the matrices of ``MODEL_SETS[model]``."""
+    if name in VARIANTS:
+        return model_fismo_step(name, model, f"torch-{device}-float32")
+    return anchor_step(name, MODEL_SETS[model], device)
+
+
+class ModelStep:
+    """One step over all the weight matrices of a real model (two GPT-2-small layers; LLaMA-like
+    MLP matrices), torch float32: FISMO full and blocked (float32 and bfloat16 polar iteration),
+    the anchors, and pytorch-optimizer's blocked Shampoo and heavyball's SOAP and KL-Shampoo.
+    A call of an amortised optimizer is a whole cycle (``CYCLE``)."""
+
+    params = (MODEL_VARIANTS + MODEL_ANCHORS, list(MODEL_SETS), TORCH_DEVICES)
+    param_names = ["optimizer", "model", "device"]
+    timeout = 3600
+
+    def setup(self, optimizer, model, device):
+        self.run = model_step(optimizer, model, device)
+
+    def time_step(self, optimizer, model, device):
+        self.run()
+
+    def peakmem_step(self, optimizer, model, device):
+        self.run()
+
+
+#: The blocked configurations of the targets: B = 768 on GPT-2, B = 1024 on the LLaMA shapes.
+MODEL_TARGETS = [f"eigh-B{B}" for B in BLOCK_SIZES[-2:]] + [f"eigh-B{B}-bf16" for B in BLOCK_SIZES[-2:]]
+if SMOKE:
+    MODEL_TARGETS = [f"eigh-B{BLOCK_SIZES[0]}"]
+
+
+class ModelTargets:
+    """Blocked FISMO against the float32 Muon step and torch.optim.Muon (bfloat16 iteration) on
+    the model sets, both ratios measured within one process (interleaved medians)."""
+
+    params = (MODEL_TARGETS, list(MODEL_SETS), TORCH_DEVICES)
+    param_names = ["variant", "model", "device"]
+    timeout = 3600
+
+    def setup(self, variant, model, device):
+        self.medians = interleaved_medians(
+            {name: model_step(name, model, device) for name in (variant, "muon-float32", "muon")},
+            max(2, REPEATS // 2),
+        )
+        self.per_step = self.medians[variant] / steps_per_call(variant)
+
+    def track_ratio_to_muon_float32(self, variant, model, device):
+        return self.per_step / self.medians["muon-float32"]
+
+    track_ratio_to_muon_float32.unit = "FISMO step / Muon float32 step"
+
+    def track_ratio_to_torch_muon(self, variant, model, device):
+        return self.per_step / self.medians["muon"]
+
+    track_ratio_to_torch_muon.unit = "FISMO step / torch.optim.Muon step"

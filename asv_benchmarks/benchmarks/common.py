@@ -4,7 +4,11 @@ One optimizer step of every kind the suite times, as a zero-argument callable th
 its own parameters and state (so an amortised variant really recomputes its roots on every
 ``k``-th call): FISMO in several configurations on every installed backend, and the anchors
 ``torch.optim.Muon`` (as shipped: its Newton–Schulz runs in bfloat16), the same iteration in
-float32, ``torch.optim.AdamW``, and Shampoo and SOAP from pytorch-optimizer if installed.
+float32, ``torch.optim.AdamW``, Shampoo, blocked Shampoo and SOAP from pytorch-optimizer, and
+SOAP and KL-Shampoo from heavyball, each if installed.
+
+Besides single shapes, *model sets* (``MODEL_SETS``) time one step over all the weight matrices
+of real models: two GPT-2-small layers and LLaMA-like MLP matrices.
 """
 
 from __future__ import annotations
@@ -51,18 +55,58 @@ VARIANTS: dict[str, dict] = {
     "eigh-every10": {"nonfinite": "propagate", "inv_root": {"every": 10}},
 }
 
+#: Block sizes of the blocked configurations (``FISMO(block_size=B)``).
+BLOCK_SIZES = [256, 512, 768, 1024]
+#: Blocked FISMO: "eigh-B768" is "eigh" with ``block_size=768``. "-bf16" runs the polar factor's
+#: Newton–Schulz iteration in bfloat16 (``PolarConfig(dtype="bfloat16")``), as torch.optim.Muon
+#: does: the like-for-like comparison with it.
+for _B in BLOCK_SIZES:
+    VARIANTS[f"eigh-B{_B}"] = {"nonfinite": "propagate", "block_size": _B}
+    VARIANTS[f"eigh-B{_B}-bf16"] = {"nonfinite": "propagate", "block_size": _B, "polar": {"dtype": "bfloat16"}}
+VARIANTS["eigh-bf16"] = {"nonfinite": "propagate", "polar": {"dtype": "bfloat16"}}
+#: The configurations of the single-shape benchmarks (``FISMOStep``): the blocked ones are timed
+#: on the model sets.
+STEP_VARIANTS = ["default", "eigh", "newton_schulz", "eigh-every10"]
+
+#: The weight matrices of real models, each (m, n) as a FISMO step sees it (GPT-2's Conv1D
+#: layout, in x out). "gpt2-2layers": two GPT-2-small layers (attention in 768x2304, attention
+#: out 768x768, MLP 768x3072 and 3072x768); "llama-2048x5504": a LLaMA-like MLP matrix;
+#: "llama-4096x11008": a LLaMA-7B MLP matrix (asv only: 1.4 GB of full-FISMO state and minutes
+#: per step on a small machine).
+GPT2_LAYER = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
+MODEL_SETS: dict[str, list[tuple[int, int]]] = {
+    "gpt2-2layers": GPT2_LAYER * 2,
+    "llama-2048x5504": [(2048, 5504)],
+    "llama-4096x11008": [(4096, 11008)],
+}
+
 #: The anchors' names: torch.optim.Muon as shipped, its iteration in float32, AdamW, and from
 #: pytorch-optimizer Shampoo (inverse roots every step) and SOAP (its default precondition
 #: frequency, 10: one call is a cycle of 10 steps).
 ANCHORS = ["muon", "muon-float32", "adamw", "shampoo", "soap"]
 
+#: All anchors of the model sets: the above, and pytorch-optimizer's ScalableShampoo (blocks of
+#: 512, its default; roots every step), heavyball's SOAP and KL-Shampoo (their defaults: factors
+#: of sides up to 2048 (``max_precond_dim``), eigenbases refreshed every 2 steps; run eagerly).
+MODEL_ANCHORS = ANCHORS + ["scalable-shampoo", "heavyball-soap", "heavyball-klshampoo"]
+
 #: Steps per call of the amortised optimizers (a whole cycle, so that a call's time is typical).
-CYCLE = {"eigh-every10": 10, "soap": 10}
+CYCLE = {"eigh-every10": 10, "soap": 10, "heavyball-soap": 2, "heavyball-klshampoo": 2}
 
 #: ``FISMO_ASV_SMOKE=1`` shrinks the grid to one small shape per backend: CI's smoke run.
 SMOKE = os.environ.get("FISMO_ASV_SMOKE") == "1"
 if SMOKE:
     SHAPES = ["64x96"]
+    BLOCK_SIZES = [32]
+    MODEL_SETS = {"tiny": [(32, 96), (96, 32)]}
+    VARIANTS["eigh-B32"] = {"nonfinite": "propagate", "block_size": 32}
+
+#: The FISMO configurations of the model sets: full (exact roots, no host reads) and blocked with
+#: each block size, each with the polar iteration in float32 and in bfloat16.
+MODEL_VARIANTS = ["eigh", "eigh-bf16"] + [f"eigh-B{B}" for B in BLOCK_SIZES] + [f"eigh-B{B}-bf16" for B in BLOCK_SIZES]
+if SMOKE:
+    MODEL_VARIANTS = ["eigh-B32"]
+    MODEL_ANCHORS = ["muon-float32"]
 
 
 def parse_shape(name: str) -> tuple[int, ...]:
@@ -134,7 +178,7 @@ def fismo_step(variant: str, backend: str, shape: tuple[int, ...], *, separate: 
     that P and Q are off the identity.
     """
     t = target(backend)
-    opt = FISMO(**VARIANTS[variant])
+    opt = make_fismo(variant)
     W = t.asarray(random_matrix(shape, seed=0))
     G = t.asarray(random_matrix(shape, seed=1))
     step = opt.step
@@ -164,6 +208,43 @@ def fismo_step(variant: str, backend: str, shape: tuple[int, ...], *, separate: 
     return run
 
 
+def make_fismo(variant: str) -> FISMO:
+    """``FISMO(**VARIANTS[variant])``, or ``NotImplementedError`` (asv's skip) where this version of
+    the core lacks an option the variant needs (``block_size``, the polar's ``dtype``)."""
+    try:
+        return FISMO(**VARIANTS[variant])
+    except TypeError as exc:
+        raise NotImplementedError(f"FISMO{VARIANTS[variant]} is not supported by this core: {exc}") from exc
+
+
+def model_fismo_step(variant: str, model: str, backend: str = "torch-cpu-float32") -> Callable[[], None]:
+    """One step of ``FISMO(**VARIANTS[variant])`` over every matrix of ``MODEL_SETS[model]``, the
+    matrices of one shape batched in one call of the core (as the torch optimizer buckets them).
+    A call is one step (a cycle for the amortised variants); one warm-up step runs first."""
+    t = target(backend)
+    opt = make_fismo(variant)
+    counts: dict[tuple[int, int], int] = {}
+    for shape in MODEL_SETS[model]:
+        counts[shape] = counts.get(shape, 0) + 1
+    items = []
+    for i, ((m, n), k) in enumerate(counts.items()):
+        shape = (k, m, n) if k > 1 else (m, n)
+        W = t.asarray(random_matrix(shape, seed=2 * i))
+        items.append([W, t.asarray(random_matrix(shape, seed=2 * i + 1)), opt.init(W)])
+    for item in items:
+        item[0], item[2] = opt.step(*item)
+    block(items[-1][0])
+    calls = CYCLE.get(variant, 1)
+
+    def run() -> None:
+        for _ in range(calls):
+            for item in items:
+                item[0], item[2] = opt.step(*item)
+        block(items[-1][0])
+
+    return run
+
+
 def muon_float32_step(params: list, momentum: float = 0.95, lr: float = 0.02, steps: int = 5) -> Callable[[], None]:
     """``torch.optim.Muon``'s update (EMA momentum by ``lerp_``, its quintic by ``torch.addmm``,
     its shape-dependent lr) with the Newton–Schulz iteration in float32 instead of bfloat16: the
@@ -188,16 +269,20 @@ def muon_float32_step(params: list, momentum: float = 0.95, lr: float = 0.02, st
     return run
 
 
-def anchor_step(name: str, shape: tuple[int, ...], device: str = "cpu") -> Callable[[], None]:
+def anchor_step(name: str, shape, device: str = "cpu") -> Callable[[], None]:
     """One step of an anchor optimizer on torch float32 parameters of ``shape`` (a batch
-    ``(B, m, n)`` is B parameters: torch.optim.Muon takes matrices only). ``NotImplementedError``
-    if its package or the device is missing."""
+    ``(B, m, n)`` is B parameters: torch.optim.Muon takes matrices only), or of each shape of a
+    list of shapes (a model set). ``NotImplementedError`` if its package or the device is missing."""
     torch, dev = torch_device(device)
-    matrices = [shape] if len(shape) == 2 else [shape[1:]] * shape[0]
+    if isinstance(shape, list):
+        matrices = shape
+    else:
+        matrices = [shape] if len(shape) == 2 else [shape[1:]] * shape[0]
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter((torch.randn(*s, generator=gen) / math.sqrt(s[-1])).to(dev)) for s in matrices]
-    for p in params:
-        p.grad = (torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])).to(dev)
+    grads = [(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])).to(dev) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
     if name == "muon":
         opt = torch.optim.Muon(params, lr=0.02, momentum=0.95, nesterov=False, weight_decay=0.0)
     elif name == "muon-float32":
@@ -220,25 +305,50 @@ def anchor_step(name: str, shape: tuple[int, ...], device: str = "cpu") -> Calla
             opt = pytorch_optimizer.Shampoo(params, lr=1e-3, preconditioning_compute_steps=1)
         else:
             opt = pytorch_optimizer.SOAP(params, lr=3e-3)  # precondition_frequency=10, its default
+    elif name == "scalable-shampoo":
+        try:
+            import pytorch_optimizer
+        except ImportError as exc:
+            raise NotImplementedError("pytorch-optimizer is not installed (pip install pytorch-optimizer)") from exc
+        # Its default blocks (block_size=512); roots every step from the first (its defaults, 1000
+        # and 25, would time mostly its grafted SGD).
+        opt = pytorch_optimizer.ScalableShampoo(
+            params, lr=1e-3, preconditioning_compute_steps=1, start_preconditioning_step=1
+        )
+    elif name in ("heavyball-soap", "heavyball-klshampoo"):
+        try:
+            import heavyball
+            import heavyball.utils
+        except ImportError as exc:
+            raise NotImplementedError("heavyball is not installed (pip install heavyball)") from exc
+        # Eager: compiling its step (its default, mode max-autotune) takes minutes per shape on a CPU.
+        heavyball.utils.compile_mode = None
+        cls = heavyball.SOAP if name == "heavyball-soap" else heavyball.KLShampoo
+        opt = cls(params, lr=1e-3)  # max_precond_dim=2048, precondition_frequency=2: its defaults
     else:
         raise ValueError(f"unknown anchor {name!r}")
-    for _ in range(2):  # warm-up; SOAP sets up its eigenbases on its first steps
+    def one_step() -> None:
+        for p, g in zip(params, grads):  # heavyball consumes .grad (sets it to None) in its step
+            p.grad = g
         opt.step()
+
+    for _ in range(2):  # warm-up; SOAP sets up its eigenbases on its first steps
+        one_step()
     calls = CYCLE.get(name, 1)
 
     def run() -> None:
         for _ in range(calls):
-            opt.step()
+            one_step()
         block(params[-1])
 
     return run
 
 
-def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, *, warmup: bool = True) -> dict[str, float]:
     """Median seconds per call of each function, timed in turn (A B C A B C ...), one warm-up
-    call each first: the functions see the same machine state, so their ratios are fair on a
-    noisy machine."""
-    for fn in fns.values():
+    call each first (``warmup=False``: none, for callables that warmed up when they were made):
+    the functions see the same machine state, so their ratios are fair on a noisy machine."""
+    for fn in fns.values() if warmup else ():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):

@@ -8,30 +8,47 @@ common.py``), so the page and the suite time the same code.
     python docs/scripts/performance.py                    # all tables and the plot (22 minutes on 2 cores)
     python docs/scripts/performance.py --only flops       # one section: memory, functions, flops, batched, steps, plot
     python docs/scripts/performance.py --repeats 3        # fewer repeats (noisier)
+    python docs/scripts/performance.py --only models --model gpt2-2layers --repeats 3   # real model shapes
+    python docs/scripts/performance.py --only models --names eigh-B768 muon-float32     # some rows only
+
+The "models" section times one step over all the weight matrices of a real model (two GPT-2-small
+layers; a LLaMA-like 2048 x 5504 matrix) for FISMO full and blocked and every anchor. Each run
+stores its medians, with the float32 Muon step of the same run, in
+``docs/performance/model_steps.json`` (rows measured in an earlier run are kept, each with its
+own Muon time, so every ratio is still taken within one run), then prints the table from that
+file and draws ``docs/performance/model_step_time.png``. On a CUDA machine ``--device cuda``
+times the same steps there (stored under their own key).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "asv_benchmarks"))
 
 from benchmarks.common import (  # noqa: E402
+    MODEL_ANCHORS,
+    MODEL_SETS,
+    MODEL_VARIANTS,
     VARIANTS,
     anchor_step,
     fismo_step,
     flops_per_step,
     interleaved_medians,
+    model_fismo_step,
     steps_per_call,
 )
 
 from fismo_core import FISMO  # noqa: E402
-from fismo_core.perf import muon_flops, state_elements, step_flops  # noqa: E402
+from fismo_core.perf import muon_flops, muon_state_elements, state_elements, step_flops  # noqa: E402
 
 SHAPES = [(256, 256), (1024, 1024), (768, 3072), (3072, 768), (16, 512, 512)]
 FISMO_VARIANTS = ["default", "eigh", "newton_schulz", "eigh-every10"]
@@ -47,7 +64,22 @@ LABELS = {
     "shampoo": "Shampoo (roots every step)",
     "soap": "SOAP (basis every 10 steps)",
 }
+for _B in (256, 512, 768, 1024):
+    LABELS[f"eigh-B{_B}"] = f"FISMO blocked, B = {_B}"
+    LABELS[f"eigh-B{_B}-bf16"] = f"FISMO blocked, B = {_B}, bf16 polar"
+LABELS.update({
+    "eigh-bf16": "FISMO exact, bf16 polar",
+    "scalable-shampoo": "ScalableShampoo (pytorch-optimizer, blocks of 512)",
+    "heavyball-soap": "SOAP (heavyball)",
+    "heavyball-klshampoo": "KL-Shampoo (heavyball)",
+    "shampoo": "Shampoo (pytorch-optimizer, roots every step)",
+    "soap": "SOAP (pytorch-optimizer, basis every 10 steps)",
+})
 PLOT = ROOT / "docs" / "performance" / "step_time.png"
+MODEL_JSON = ROOT / "docs" / "performance" / "model_steps.json"
+MODEL_PLOT = ROOT / "docs" / "performance" / "model_step_time.png"
+#: The model sets of the page (the asv suite also has llama-4096x11008).
+PAGE_MODELS = ["gpt2-2layers", "llama-2048x5504"]
 
 
 def shape_name(shape) -> str:
@@ -244,12 +276,148 @@ def section_matrix_functions(repeats: int) -> None:
     print()
 
 
+def model_callable(name: str, model: str, device: str):
+    if name in VARIANTS:
+        return model_fismo_step(name, model, f"torch-{device}-float32")
+    return anchor_step(name, MODEL_SETS[model], device)
+
+
+def load_model_results() -> dict:
+    return json.loads(MODEL_JSON.read_text()) if MODEL_JSON.exists() else {}
+
+
+def section_models(repeats: int, models: list, names: list, device: str) -> None:
+    """Time ``names`` (always with the float32 Muon step and torch.optim.Muon) on each model set,
+    interleaved, store the medians and print the tables from the stored results."""
+    import torch
+
+    results = load_model_results()
+    for model in models:
+        wanted = list(dict.fromkeys(["muon-float32", "muon", *names]))
+        fns = {}
+        for name in wanted:
+            try:
+                fns[name] = model_callable(name, model, device)
+            except NotImplementedError as exc:
+                print(f"<!-- {name} on {model} skipped: {exc} -->")
+        started = time.time()
+        # The callables warmed up when they were made (FISMO one step, the anchors two).
+        times = per_step(interleaved_medians(fns, repeats, warmup=False))
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+        key = f"{model}/{device}"
+        run = {
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+            "repeats": repeats,
+            "load_1min_at_end": round(load, 1),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
+        stored = results.setdefault(key, {})
+        for name, t in times.items():
+            stored[name] = {
+                "seconds": t,
+                "muon_float32_seconds": times["muon-float32"],
+                "torch_muon_seconds": times.get("muon"),
+                **run,
+            }
+        MODEL_JSON.parent.mkdir(parents=True, exist_ok=True)
+        MODEL_JSON.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(f"<!-- {model} on {device}: {len(times)} rows in {time.time() - started:.0f} s -->")
+    print_model_tables(device)
+    plot_models(device)
+
+
+def print_model_tables(device: str) -> None:
+    results = load_model_results()
+    print("### One step over the weight matrices of real models (torch float32; ms per step, median)\n")
+    for model in PAGE_MODELS:
+        stored = results.get(f"{model}/{device}")
+        if not stored:
+            continue
+        shapes = MODEL_SETS[model]
+        print(f"**{model}** ({len(shapes)} matrices: {', '.join(shape_name(s) for s in dict.fromkeys(shapes))})\n")
+        print("| optimizer | ms per step | / Muon float32 step | / torch.optim.Muon | measured (UTC, load, repeats) |")
+        print("|---|---|---|---|---|")
+        order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored]
+        for name in order:
+            r = stored[name]
+            muon = r["torch_muon_seconds"]
+            print(f"| {LABELS.get(name, name)} | {r['seconds'] * 1e3:.0f} | {r['seconds'] / r['muon_float32_seconds']:.2f}× "
+                  f"| {r['seconds'] / muon:.2f}× | {r['when']}, {r['load_1min_at_end']}, {r['repeats']} |"
+                  if muon else f"| {LABELS.get(name, name)} | {r['seconds'] * 1e3:.0f} | "
+                  f"{r['seconds'] / r['muon_float32_seconds']:.2f}× | — | {r['when']}, {r['load_1min_at_end']}, {r['repeats']} |")
+        print()
+
+
+def section_model_memory() -> None:
+    print("### Optimizer state of the model sets (elements; per parameter in brackets)\n")
+    rows = {"FISMO full": lambda m, n: state_elements(m, n)}
+    for B in (256, 512, 768, 1024):
+        rows[f"FISMO blocked, B = {B}"] = lambda m, n, B=B: state_elements(m, n, B)
+    rows["Muon"] = muon_state_elements
+    rows["AdamW"] = lambda m, n: 2 * m * n
+    models = list(MODEL_SETS)
+    print("| optimizer | " + " | ".join(models) + " |")
+    print("|---|" + "---|" * len(models))
+    for name, count in rows.items():
+        cells = []
+        for model in models:
+            total = sum(count(m, n) for m, n in MODEL_SETS[model])
+            params = sum(m * n for m, n in MODEL_SETS[model])
+            cells.append(f"{total / 1e6:.1f} M ({total / params:.2f})")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+
+
+def plot_models(device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = load_model_results()
+    models = [m for m in PAGE_MODELS if results.get(f"{m}/{device}")]
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        stored = results[f"{model}/{device}"]
+        order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored][::-1]
+        ratios = [stored[n]["seconds"] / stored[n]["muon_float32_seconds"] for n in order]
+        colors = ["tab:blue" if n.startswith("eigh") else ("tab:green" if n.startswith("muon") else "tab:gray") for n in order]
+        ax.barh(range(len(order)), ratios, color=colors)
+        ax.set_yticks(range(len(order)), [LABELS.get(n, n) for n in order], fontsize=7)
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="tab:green", lw=0.8)
+        ax.axvline(2.5, color="tab:red", lw=0.8, ls="--", label="target 2.5×")
+        for i, r in enumerate(ratios):
+            ax.text(r, i, f" {r:.2f}×", va="center", fontsize=6)
+        ax.set_xlabel("step time / float32 Muon step (same run)")
+        ax.set_title(f"{model}, torch {device} float32", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    suffix = "" if device == "cpu" else f"_{device}"
+    out = MODEL_PLOT.with_name(f"model_step_time{suffix}.png")
+    fig.savefig(out, dpi=110)
+    print(f"<!-- plot written to {out.relative_to(ROOT)} -->\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot"])
+    parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot", "models"])
+    parser.add_argument("--model", nargs="+", default=PAGE_MODELS, choices=list(MODEL_SETS),
+                        help="models section: which model sets (default: %(default)s)")
+    parser.add_argument("--names", nargs="+", default=MODEL_VARIANTS + MODEL_ANCHORS,
+                        help="models section: which FISMO variants and anchors (default: all)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="models section: torch device")
+    parser.add_argument("--tables", action="store_true", help="models section: print the stored tables only")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     args = parser.parse_args()
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads -->\n")
     sections = {
@@ -259,10 +427,14 @@ def main() -> None:
         "batched": lambda: section_batched(args.repeats),
         "steps": lambda: section_steps(args.repeats),
         "plot": lambda: section_plot(args.repeats),
+        "models": lambda: (section_model_memory(), print_model_tables(args.device), plot_models(args.device))
+        if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device)),
     }
     for name, run in sections.items():
-        if args.only in (None, name):
+        if args.only == name or (args.only is None and name != "models"):
             run()
+    if args.only is None:
+        sections["models"]()
 
 
 if __name__ == "__main__":
