@@ -7,7 +7,8 @@ public names from there. This module holds
   defaults for FISMO groups) and their validation,
 - `route_group`, which fills and checks a group before
   ``Optimizer.add_param_group`` stores it,
-- `param_groups`, the helper that splits a module into a FISMO and an AdamW group,
+- `param_groups`, the helper that splits a module into a FISMO and an AdamW group
+  (the output head rule included),
 - the AdamW route (`adamw_group_step`, ``torch.optim.adamw.adamw`` bit for bit),
 - the core instance for a group's hyperparameters (`core_key`, `make_core`).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -188,7 +190,9 @@ def validate_matrix_param(p: Any, name: str) -> None:
         raise ValueError(
             f"{name} has shape {tuple(p.shape)}: FISMO optimises matrices (2-D weights, or conv weights "
             "flattened to (out, in*kh*kw)). Put 1-D tensors (biases, norm scales) in an AdamW group: "
-            "{'params': [...], 'algorithm': 'adamw'}"
+            "{'params': [...], 'algorithm': 'adamw'}; for a whole model, the helper "
+            "fismo_core.backends.torch.param_groups does the split: FISMO(param_groups(model), lr=0.02) "
+            "(matrices on FISMO; biases, norms, embeddings and the output head on AdamW)"
         )
     if torch.is_complex(p):
         raise TypeError(f"{name} is complex ({p.dtype}); FISMO supports real matrices only (AdamW groups take complex)")
@@ -302,29 +306,98 @@ def adamw_group_step(state: dict, group: dict) -> None:
 
 
 # ---------------------------------------------------------------- the helper
+HeadSpec = Union[str, torch.nn.Module, torch.nn.Parameter, None]
+
+
+def _head_parameters(module: torch.nn.Module, head: HeadSpec) -> tuple[set[int], Optional[str]]:
+    """The ids of the output head's parameters under ``param_groups``' ``head`` rule, and the head's name."""
+    if head is None:
+        return set(), None
+    if isinstance(head, str) and head == "auto":
+        last = None
+        for name, m in module.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                last = (name, m)
+        if last is None:
+            return set(), None
+        return {id(p) for p in last[1].parameters()}, repr(last[0]) if last[0] else "the module itself"
+    if isinstance(head, str):
+        named = dict(module.named_parameters())
+        if head in named:
+            return {id(named[head])}, repr(head)
+        try:
+            sub = module.get_submodule(head)
+        except AttributeError:
+            linears = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+            raise ValueError(
+                f"head={head!r} is neither a submodule nor a parameter of the module; its nn.Linear "
+                f"submodules are {linears}. Pass a name, the head module or parameter itself, "
+                "'auto' (the last nn.Linear) or None (no head rule)"
+            ) from None
+        return {id(p) for p in sub.parameters()}, repr(head)
+    if isinstance(head, torch.nn.Parameter):
+        if not any(p is head for p in module.parameters()):
+            raise ValueError(f"head is a parameter of shape {tuple(head.shape)} that is not in the module")
+        return {id(head)}, "the given parameter"
+    if isinstance(head, torch.nn.Module):
+        if not any(m is head for m in module.modules()):
+            raise ValueError(f"head is a {type(head).__name__} that is not a submodule of the module")
+        return {id(p) for p in head.parameters()}, type(head).__name__
+    raise TypeError(
+        f"head must be 'auto', None, a submodule or parameter name, an nn.Module or an nn.Parameter, "
+        f"got {type(head).__name__}"
+    )
+
+
 def param_groups(
     module: torch.nn.Module,
     *,
+    head: HeadSpec = "auto",
     adamw: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
     adamw_options: Optional[dict] = None,
 ) -> list[dict]:
     """Split a module's trainable parameters the way Muon users do.
 
-    Tensors with fewer than 2 dimensions, ``nn.Embedding`` weights and every
-    parameter for which ``adamw(name, p)`` is true (say, the output head)
-    go to an ``"adamw"`` group with ``adamw_options``; the other matrices
-    (linear and conv weights) go to a FISMO group. Empty groups are left out.
+    Tensors with fewer than 2 dimensions, ``nn.Embedding`` weights, the output
+    head and every parameter for which ``adamw(name, p)`` is true go to an
+    ``"adamw"`` group with ``adamw_options``; the other matrices (linear and
+    conv weights) go to a FISMO group. Empty groups are left out.
+
+    ``head`` picks the output head:
+
+    - ``"auto"`` (default): the **last** ``nn.Linear`` in ``module.modules()``
+      order, which is the order of definition: ``lm_head`` in GPT-2 and LLaMA
+      models, ``fc`` in ResNets, the last layer of an ``nn.Sequential``. A
+      model that defines its head before other linear layers needs an
+      explicit ``head``. A model without ``nn.Linear`` has no head here.
+    - a name: a submodule (``"lm_head"``) or a parameter (``"lm_head.weight"``);
+      an ``nn.Module`` or ``nn.Parameter`` of the model works too.
+    - ``None``: no head rule; every matrix but embeddings goes to FISMO.
+
+    A ``UserWarning`` says so when the head rule leaves no matrix for FISMO
+    (a model that is one linear layer, say): pass ``head=None`` then.
     """
     embedding_weights = {
         id(m.weight) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
     }
+    head_ids, head_name = _head_parameters(module, head)
     matrices: list[torch.nn.Parameter] = []
     others: list[torch.nn.Parameter] = []
+    head_matrices = 0
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        to_adamw = p.ndim < 2 or id(p) in embedding_weights or (adamw is not None and adamw(name, p))
+        other_rule = p.ndim < 2 or id(p) in embedding_weights or (adamw is not None and adamw(name, p))
+        to_adamw = other_rule or id(p) in head_ids
+        head_matrices += not other_rule and id(p) in head_ids  # on AdamW only because it is the head
         (others if to_adamw else matrices).append(p)
+    if not matrices and head_matrices:
+        warnings.warn(
+            f"param_groups: the output head ({head_name}) was the only matrix for FISMO and went to AdamW, "
+            "so FISMO optimises nothing; pass head=None to optimise it with FISMO",
+            UserWarning,
+            stacklevel=2,
+        )
     groups: list[dict] = []
     if matrices:
         groups.append({"params": matrices})

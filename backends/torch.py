@@ -81,9 +81,12 @@ class FISMO(Optimizer):
         matrices of Algorithm 1; a weight ``(out, *rest)`` of 3 or more
         dimensions (convolutions) is optimised as the matrix
         ``(out, prod(rest))``. 1-D tensors (biases, norm scales) raise a
-        ``ValueError``: put them in an ``"adamw"`` group.
+        ``ValueError``: put them in an ``"adamw"`` group, or build the
+        groups of a whole model with [`param_groups`][fismo_core.backends.torch.param_groups].
     lr, beta, gamma, mu, polar, inv_root, weight_decay, nesterov, statistics:
         As in [`fismo_core.FISMO`][fismo_core.FISMO], with the same defaults. ``lr`` may be
+        given positionally, ``FISMO(params, 0.02)``, as in ``torch.optim``;
+        the others are keyword-only. ``lr`` may be
         0 (schedulers reach it); ``weight_decay`` is decoupled,
         ``W <- (1 - lr * weight_decay) W`` with the group's unadjusted lr,
         as ``torch.optim.Muon`` does.
@@ -114,8 +117,8 @@ class FISMO(Optimizer):
     def __init__(
         self,
         params: Any,
-        *,
         lr: Union[float, torch.Tensor] = _CORE_DEFAULTS.lr,
+        *args: Any,
         beta: float = _CORE_DEFAULTS.beta,
         gamma: float = _CORE_DEFAULTS.gamma,
         mu: float = _CORE_DEFAULTS.mu,
@@ -128,6 +131,12 @@ class FISMO(Optimizer):
         statistics: str = _CORE_DEFAULTS.statistics,
         nonfinite: str = "raise",
     ) -> None:
+        if args:
+            raise TypeError(
+                f"FISMO takes params and the learning rate positionally (FISMO(params, 0.02), as torch.optim "
+                f"optimizers do), but got {len(args)} more positional argument(s) {args!r}; pass the other "
+                "hyperparameters by keyword: beta=, gamma=, mu=, weight_decay=, nesterov=, ..."
+            )
         if process_group is not None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise RuntimeError("process_group was given but torch.distributed is not initialised")
         self.process_group = process_group
