@@ -1,15 +1,21 @@
-"""``fismo demo``: the pieces (data, models, optimizers, schedule, measurements) and one small end-to-end run.
+"""``fismo demo``: the pieces (data, models, optimizers, schedule, measurements) and small end-to-end runs.
 
-The end-to-end run is ``fismo demo --quick`` cut to 40 steps per task (about
-50 s on 2 busy cores, 78 CPU-seconds; ``--quick`` itself needs about 110
-CPU-seconds); it checks that every file and table is written and that the
-losses fall.
+The end-to-end checks share one run of the ``tiny`` preset (every optimizer
+and control of the main job, both tasks, 2 seeds, 40 digits steps and 16
+steps of a narrower GPT; about 25 CPU-seconds in one process), instead of
+``--quick --steps 40`` (80 CPU-seconds). A second run of the same preset in
+two worker processes checks that the results are identical to the last bit;
+the command line is exercised by a 4-step run of one optimizer.
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import csv
+import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -21,15 +27,34 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
+import fismo_core.demo as demo  # noqa: E402
 from fismo_core.cli import main as cli_main  # noqa: E402
+from fismo_core.demo import default_config  # noqa: E402
 from fismo_core.demo.data import load_stdlib_corpus  # noqa: E402
 from fismo_core.demo.models import DigitsCNN, MatrixConv2d, TinyGPT  # noqa: E402
-from fismo_core.demo.optimizers import ALL_OPTIMIZERS, MUON_CONTROLS, build_optimizer, soap_available  # noqa: E402
+from fismo_core.demo.optimizers import (  # noqa: E402
+    ALL_OPTIMIZERS,
+    MUON_CONTROLS,
+    build_optimizer,
+    control_base,
+    soap_available,
+)
+from fismo_core.demo.report import digest, summary_table, write_report  # noqa: E402
+from fismo_core.demo.run import _blocks_supported, run_demo, run_many  # noqa: E402
 from fismo_core.demo.tasks import DigitsTask  # noqa: E402
-from fismo_core.demo.train import RunSpec, lr_factor, train  # noqa: E402
+from fismo_core.demo.train import (  # noqa: E402
+    RunSpec,
+    _diagonal_blocks,
+    _identity_distance,
+    _sym_condition,
+    lr_factor,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-PNGS = [f"{task}_{kind}.png" for task in ("digits", "text") for kind in ("loss", "condition", "preconditioner")]
+BLOCKS = _blocks_supported()
+KINDS = ("loss", "condition", "preconditioner", *(("blocks",) if BLOCKS else ()))
+PNGS = [f"{task}_{kind}.png" for task in ("digits", "text") for kind in KINDS]
 
 
 # ------------------------------------------------------------------ pieces
@@ -63,31 +88,94 @@ def test_matrix_conv_is_a_conv2d() -> None:
     assert conv.weight.ndim == 2
 
 
+def test_presets() -> None:
+    default, quick, tiny = (default_config(preset=p) for p in ("default", "quick", "tiny"))
+    assert default_config(True) == quick and default_config() == default
+    assert [p.steps for p in default.plans] == [400, 600] and default.seeds == 3
+    assert (default.preset, quick.preset, tiny.preset) == ("default", "quick", "tiny") and quick.quick
+    for config in (default, quick, tiny):
+        for plan in config.plans:
+            assert plan.warmup == max(1, plan.steps // 20)  # 5 % of the steps in every preset
+            assert set(plan.lrs) == set(ALL_OPTIMIZERS)
+            # every block size splits the task's longest matrix side (digits 144, text 4 * dim)
+            longest = 144 if plan.task.name == "digits" else 4 * plan.task.dim
+            assert plan.block_sizes and all(b < longest for b in plan.block_sizes)
+            assert "FISMO-bf16" in plan.fismo_controls
+    assert all(len(grid) == 2 for plan in tiny.plans for grid in plan.lrs.values())
+    assert default_config(preset="tiny", steps=10).plans[0].steps == 10
+    with pytest.raises(ValueError, match="unknown preset"):
+        default_config(preset="huge")
+    with pytest.raises(ValueError, match="contradicts"):
+        default_config(True, preset="tiny")
+
+
 @pytest.mark.parametrize("model", [DigitsCNN(), TinyGPT(layers=1)], ids=["cnn", "gpt"])
 def test_matrix_optimizers_share_one_split(model: torch.nn.Module) -> None:
-    """FISMO, Muon and the controls optimise the same hidden matrices; embeddings, head and 1-D go to AdamW."""
+    """FISMO, Muon and every control optimise the same hidden matrices; embeddings, head and 1-D go to AdamW."""
     names = {id(p): n for n, p in model.named_parameters()}
     sets = {}
-    for name in ("FISMO", "FISMO-SI", "Muon", "Muon-NS7", "Muon-fp32", "AdamW"):
+    controls = ["FISMO-bf16", *(["FISMO-B32", "FISMO-SI-B16"] if BLOCKS else [])]
+    for name in ("FISMO", "FISMO-SI", "Muon", "Muon-NS7", "Muon-fp32", "AdamW", *controls):
         built = build_optimizer(name, model, 0.01, 1e-3)
         sets[name] = sorted(names[id(p)] for p in built.matrices)
     assert len({tuple(s) for s in sets.values()}) == 1
     matrices = sets["FISMO"]
     assert matrices and all(not n.startswith(("head", "tok", "pos")) for n in matrices)
     assert all(dict(model.named_parameters())[n].ndim == 2 for n in matrices)
-    assert build_optimizer("Muon-fp32", model, 0.01, 1e-3).optimizers[0].param_groups[0]["gamma"] == 1.0
+    group = build_optimizer("Muon-fp32", model, 0.01, 1e-3).optimizers[0].param_groups[0]
+    assert group["gamma"] == 1.0
     assert build_optimizer("FISMO-SI", model, 0.01, 1e-3).fismo.param_groups[0]["statistics"] == "scale_invariant"
-    with pytest.raises(ValueError, match="unknown optimizer"):
-        build_optimizer("Adam", model, 0.01, 1e-3)
+    bf16 = build_optimizer("FISMO-bf16", model, 0.01, 1e-3).fismo.param_groups[0]
+    assert getattr(bf16["polar"], "dtype", None) == "bfloat16" or bf16["polar"].get("dtype") == "bfloat16"
+    if BLOCKS:
+        si = build_optimizer("FISMO-SI-B16", model, 0.01, 1e-3).fismo.param_groups[0]
+        assert si["block_size"] == 16 and si["statistics"] == "scale_invariant"
+    for bad in ("Adam", "FISMO-B0", "FISMO-B", "Muon-B32", "FISMO-fp16", "FISMO-bf16-B32"):
+        with pytest.raises(ValueError, match="unknown optimizer"):
+            build_optimizer(bad, model, 0.01, 1e-3)
 
 
-def test_condition_number_of_an_orthogonal_update_is_one() -> None:
-    """A run's κ is that of ΔW: with lr = 0 nothing moves, so check the helper on a known matrix instead."""
-    from fismo_core.demo.train import _condition
+def test_control_base() -> None:
+    assert [control_base(c) for c in MUON_CONTROLS] == ["Muon", "Muon"]
+    assert control_base("FISMO-B32") == control_base("FISMO-bf16") == control_base("FISMO-B8-bf16") == "FISMO"
+    assert control_base("FISMO-SI-B64") == "FISMO-SI"
+    for name in ("FISMO", "Muon", "AdamW", "SOAP-B32"):
+        with pytest.raises(ValueError, match="not a control"):
+            control_base(name)
 
-    Q, _ = torch.linalg.qr(torch.randn(6, 4, dtype=torch.float64))
-    assert _condition(Q) == pytest.approx(1.0, abs=1e-12)  # singular values 1 to rounding
-    assert _condition(torch.diag(torch.tensor([4.0, 2.0, 0.5]))) == pytest.approx(8.0, rel=1e-12)
+
+def test_blocked_measurements_match_the_dense_matrix() -> None:
+    """cond and distance from I computed from diagonal blocks equal those of the dense block-diagonal matrix."""
+    g = torch.Generator().manual_seed(0)
+
+    def spd(d: int) -> torch.Tensor:
+        X = torch.randn(d, 2 * d, generator=g, dtype=torch.float64)
+        return X @ X.T / (2 * d) + 0.1 * torch.eye(d, dtype=torch.float64)
+
+    full, rest = torch.stack([spd(4) for _ in range(3)]), spd(2)
+    blocks = _diagonal_blocks({"P": full, "P_rest": rest}, "P")
+    assert [b.shape for b in blocks] == [(4, 4)] * 3 + [(2, 2)]
+    dense = torch.block_diag(*blocks)
+    e = torch.linalg.eigvalsh(dense)
+    # Same eigenvalues, from four small eigh calls instead of one: 1e-12 relative (float64 rounding).
+    assert _sym_condition(blocks) == pytest.approx((e[-1] / e[0]).item(), rel=1e-12)
+    distance = (torch.linalg.matrix_norm(dense - torch.eye(14, dtype=torch.float64)) / math.sqrt(14)).item()
+    assert _identity_distance(blocks) == pytest.approx(distance, rel=1e-12)
+    # a full factor is its own single block
+    assert _sym_condition(_diagonal_blocks({"Q": dense}, "Q")) == pytest.approx(_sym_condition(blocks), rel=1e-12)
+
+
+@pytest.mark.skipif(not BLOCKS, reason="the torch adapter has no block_size option yet")
+def test_blocked_control_keeps_blocks_in_its_state() -> None:
+    """FISMO-B32 on the CNN: the 144 side in 4 blocks of 32 and a remainder of 16, the 16 side one block."""
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    built = build_optimizer("FISMO-B32", model, 0.01, 1e-3)
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    built.step()
+    sizes = {tuple(p.shape): [b.shape[-1] for b in _diagonal_blocks(built.fismo.state[p], "Q")]
+             for p in built.matrices}
+    assert sizes[(16, 9)] == [9] and sizes[(32, 144)] == [32, 32, 32, 32, 16] and sizes[(64, 128)] == [32] * 4
 
 
 def test_fismo_run_records_preconditioners() -> None:
@@ -99,66 +187,105 @@ def test_fismo_run_records_preconditioners() -> None:
     assert len(h.cond_P) == len(h.kappa) == len(h.grad_rms) == 4
     assert all(c >= 1 for c in h.cond_P + h.cond_Q)  # condition numbers of SPD matrices
     assert h.P_dev[-1] > 0.1  # the scale-invariant statistics move P at once (the printed ones do not)
+    assert 0 < result.cpu_seconds and 0 < result.seconds
 
 
-def test_results_do_not_depend_on_the_number_of_jobs() -> None:
-    """One torch thread per run, in-process or in worker processes: bit-identical results."""
-    from fismo_core.demo.run import run_many
+def test_journal_reuses_finished_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fismo_core.demo.run as run_module
 
     task = DigitsTask()
-    specs = [
-        RunSpec(task, name, 0.02, seed=0, steps=8, adamw_lr=3e-3, eval_every=4, measure_every=4, warmup=2)
-        for name in ("FISMO", "Muon")
-    ]
-    inline = run_many(specs, jobs=1)
-    pooled = run_many(specs, jobs=2)
-    for a, b in zip(inline, pooled):
-        assert (a.optimizer, a.history.val_loss, a.history.kappa) == (b.optimizer, b.history.val_loss, b.history.kappa)
+    specs = [RunSpec(task, name, 0.02, seed=0, steps=3, adamw_lr=3e-3, eval_every=3, measure_every=3, warmup=1)
+             for name in ("AdamW", "SGD")]
+    journal = tmp_path / "journal.jsonl"
+    first = run_many(specs, jobs=1, journal=journal)
+    assert len(journal.read_text().splitlines()) == 2
+    with journal.open("a") as f:
+        f.write('{"key": "cut off')  # an interrupted write is skipped
+    monkeypatch.setattr(run_module, "_train_one_thread", lambda spec: pytest.fail(f"{spec.optimizer} retrained"))
+    again = run_many(specs, jobs=1, journal=journal)
+    assert [r.to_dict() for r in again] == [r.to_dict() for r in first]
+    other = [RunSpec(task, "AdamW", 0.02, seed=1, steps=3, adamw_lr=3e-3, eval_every=3, measure_every=3, warmup=1)]
+    with pytest.raises(pytest.fail.Exception, match="AdamW retrained"):  # another seed is another run
+        run_many(other, jobs=1, journal=journal)
+
+
+def test_last_line_names_only_the_files_written() -> None:
+    tables = ["report.md", "summary.csv", "runs.csv", "curves.csv", "results.json"]
+    line = demo.wrote_line("out", tables + ["a.png", "b.png"], 61.2, 100.4)
+    assert "2 PNG figures" in line and "61 s" in line and "100 CPU-seconds" in line
+    line = demo.wrote_line("out", tables, 61.2, 100.4)
+    assert "PNG" not in line and "matplotlib is not installed" in line
 
 
 # ------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def tiny_run(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny preset in this process (one torch thread), its report and files."""
     out = tmp_path_factory.mktemp("demo")
-    import contextlib
-    import io
-
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = cli_main(["demo", "--quick", "--steps", "40", "--out", str(out), "--no-progress"])
-    assert code == 0
-    return out, buffer.getvalue()
+    results = run_demo(default_config(preset="tiny", jobs=1), progress=False)
+    report, files = write_report(results, out, "fismo demo (tiny preset)")
+    return out, report, files, results
 
 
-def test_demo_writes_every_file(demo_run: tuple[Path, str]) -> None:
-    out, _ = demo_run
-    for name in ["report.md", "summary.csv", "runs.csv", "curves.csv", "results.json", *PNGS]:
+def test_demo_writes_every_file(tiny_run) -> None:
+    out, _, files, _ = tiny_run
+    expected = ["report.md", "summary.csv", "runs.csv", "curves.csv", "results.json", *PNGS]
+    assert sorted(files) == sorted(expected)
+    for name in expected:
         assert (out / name).is_file(), name
     for name in PNGS:
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n")
         assert len(data) < 150_000, f"{name} is {len(data)} bytes: figures must stay small"
     payload = json.loads((out / "results.json").read_text())
-    assert payload["command"].startswith("fismo demo --quick")
+    assert payload["command"] == "fismo demo (tiny preset)" and payload["preset"] == "tiny"
+    assert payload["cpu_seconds"] > 0 and len(payload["digest"]) == 16
 
 
-def test_demo_prints_and_saves_the_tables(demo_run: tuple[Path, str]) -> None:
-    out, printed = demo_run
-    expected = [o for o in ALL_OPTIMIZERS if o != "SOAP" or soap_available()] + list(MUON_CONTROLS)
+def test_demo_saves_the_tables(tiny_run) -> None:
+    out, report, _, results = tiny_run
+    controls = ["FISMO-bf16", *(["FISMO-B32", "FISMO-SI-B32"] if BLOCKS else [])]
+    expected = [o for o in ALL_OPTIMIZERS if o != "SOAP" or soap_available()] + list(MUON_CONTROLS) + controls
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert {(r["task"], r["optimizer"]) for r in rows} == {(t, o) for t in ("digits", "text") for o in expected}
-    assert all(int(r["seeds"]) == 2 for r in rows)  # --quick: 2 seeds, the Muon controls too
-    report = (out / "report.md").read_text()
-    for text in (printed, report):
-        assert "| optimizer | lr grid | selected lr | held-out loss |" in text
-        assert "FISMO's preconditioners" in text and "Muon-NS7" in text and "Muon-fp32" in text
+    digits = {r["optimizer"] for r in rows if r["task"] == "digits"}
+    assert digits == set(expected)
+    assert {r["optimizer"] for r in rows if r["task"] == "text"} == {n.replace("B32", "B16") for n in expected}
+    assert all(int(r["seeds"]) == 2 for r in rows)  # 2 seeds, the controls too
+    for r in rows:  # a control runs at the selected lr of its base
+        if r["lr_grid"].endswith("'s"):
+            base = r["lr_grid"][:-2]
+            assert r["lr"] == next(b["lr"] for b in rows if b["task"] == r["task"] and b["optimizer"] == base)
+    assert report == (out / "report.md").read_text()
+    assert "| optimizer | lr grid | selected lr | held-out loss |" in report
+    assert "FISMO's preconditioners" in report and "Muon-NS7" in report and "Newton–Schulz precision" in report
+    assert f"Result digest: `{digest(results)}`" in report and "CPU time" in report
+    if BLOCKS:
+        assert "Block-diagonal factors" in report and "| FISMO-SI-B32 | 32 |" in report
     if not soap_available():
         assert "SOAP skipped" in report
 
 
-def test_demo_losses_fall(demo_run: tuple[Path, str]) -> None:
-    out, _ = demo_run
+@pytest.mark.skipif(not BLOCKS, reason="the torch adapter has no block_size option yet")
+def test_blocking_table_counts_the_state(tiny_run) -> None:
+    """The state column: 2 (m^2 + n^2) + mn per matrix for full factors, sum of block squares when blocked."""
+    _, report, _, _ = tiny_run
+    shapes = [(16, 9), (32, 144), (64, 128)]  # DigitsCNN's hidden matrices
+
+    def side(d: int, b: int) -> int:  # one factor of side d in blocks of b: k full blocks and a remainder
+        return (d // b) * b * b + (d % b) ** 2 if d > b else d * d
+
+    full = sum(2 * (m * m + n * n) + m * n for m, n in shapes)
+    blocked = sum(2 * (side(m, 32) + side(n, 32)) + m * n for m, n in shapes)
+    muon = sum(m * n for m, n in shapes)
+    digits = report.split("## GPT")[0]
+    assert "| FISMO | full |" in digits and f"| {full:,} |" in digits
+    assert f"| {blocked:,} |" in digits and f"| {muon:,} |" in digits
+    assert blocked < full
+
+
+def test_demo_losses_fall(tiny_run) -> None:
+    out, _, _, _ = tiny_run
     payload = json.loads((out / "results.json").read_text())
     best = {(b["task"], b["optimizer"]): b["lr"] for b in payload["best_lr"]}
     checked = 0
@@ -168,35 +295,79 @@ def test_demo_losses_fall(demo_run: tuple[Path, str]) -> None:
             continue  # a sweep run at a poor lr may diverge; that is what the sweep is for
         h = run["history"]
         assert not run["diverged"], run
-        # Every optimizer's held-out loss falls by more than 0.05 nats in 40 steps. The held-out set is
-        # fixed and the evaluation deterministic, so only training moves it; measured falls: 0.11 (SGD
-        # on digits, one seed; FISMO-SI 0.21) to 2.9 nats (text).
-        assert h["val_loss"][-1] < h["val_loss"][0] - 0.05, (run["task"], run["optimizer"], h["val_loss"])
+        # Every optimizer's held-out loss falls by more than 0.02 nats. The held-out set is fixed and the
+        # evaluation deterministic, so only training moves it; measured falls: 0.05 (SGD on digits) to 1.9 (text).
+        assert h["val_loss"][-1] < h["val_loss"][0] - 0.02, (run["task"], run["optimizer"], h["val_loss"])
         assert h["train_loss"][-1] < h["train_loss"][1]
         best_ratio[run["task"]] = min(best_ratio[run["task"]], h["val_loss"][-1] / h["val_loss"][0])
         checked += 1
-    assert checked >= 2 * 2 * 7  # 2 tasks, 2 seeds, 5 optimizers and 2 controls at least (SOAP may be missing)
-    # The best optimizer of each task learns for real: measured final/initial held-out loss 0.07
-    # (digits, from ln 10) and 0.49 (text, from ln 256); the bound 0.6 leaves room for other builds.
-    assert best_ratio["digits"] < 0.6 and best_ratio["text"] < 0.6, best_ratio
+    assert checked >= 2 * 2 * 8  # 2 tasks, 2 seeds, 5 optimizers, 2 Muon controls, FISMO-bf16 at least
+    # The best optimizer of each task learns for real: measured final/initial held-out loss 0.11 (digits,
+    # from ln 10) and 0.65 (text, from ln 256, in 16 steps); the bounds leave room for other CPUs and builds.
+    assert best_ratio["digits"] < 0.4 and best_ratio["text"] < 0.8, best_ratio
     digits_acc = max(r["final_val_acc"] for r in payload["runs"] if r["task"] == "digits")
-    assert digits_acc > 0.8  # 10 classes, chance 0.1; measured best 0.95 after 40 steps
+    assert digits_acc > 0.8  # 10 classes, chance 0.1; measured best 0.96 after 40 steps
 
 
-def test_variant_moves_the_preconditioners_and_printed_does_not(demo_run: tuple[Path, str]) -> None:
-    out, _ = demo_run
-    payload = json.loads((out / "results.json").read_text())
+def test_variant_moves_the_preconditioners_and_printed_does_not(tiny_run) -> None:
+    _, _, _, results = tiny_run
     dev = {}
-    for run in payload["runs"]:
-        if run["optimizer"] in ("FISMO", "FISMO-SI") and run["seed"] == 0:
-            dev.setdefault((run["task"], run["optimizer"]), []).append(max(run["history"]["P_dev"]))
+    for run in results.runs:
+        if run.optimizer in ("FISMO", "FISMO-SI") or run.optimizer.startswith(("FISMO-B", "FISMO-SI-B")):
+            base = "FISMO-SI" if run.optimizer.startswith("FISMO-SI") else "FISMO"
+            dev.setdefault((run.task, base), []).append(max(run.history.P_dev))
     for task in ("digits", "text"):
-        # Measured after 40 steps: printed ||P - I||/sqrt(m) at most 8e-4, scale-invariant at least 0.82.
+        # Measured: printed ||P - I||/sqrt(m) at most 2e-4, scale-invariant at least 0.6, blocked or not.
         assert max(dev[(task, "FISMO")]) < 0.05
         assert min(dev[(task, "FISMO-SI")]) > 0.3
 
 
+def test_two_runs_give_identical_results(tiny_run) -> None:
+    """The same preset again, in two worker processes this time: the same numbers to the last bit."""
+    _, _, _, first = tiny_run
+    second = run_demo(default_config(preset="tiny", jobs=2), progress=False)
+    assert digest(second) == digest(first)
+    histories = [[json.dumps(r.history.__dict__) for r in results.runs] for results in (first, second)]
+    assert histories[0] == histories[1]  # as text: NaN (the text task's accuracy) is not equal to itself
+    assert all(summary_table(first, t).split("CPU s / run")[0] == summary_table(second, t).split("CPU s / run")[0]
+               for t in ("digits", "text"))
+
+
+def test_no_matplotlib_no_figures_claimed(tiny_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without matplotlib the demo writes no PNG, says so in the report, and its last line claims none."""
+    _, _, _, results = tiny_run
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    monkeypatch.setattr(demo, "run_demo", lambda config, progress, journal: results)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert demo.main(results.config, str(tmp_path), progress=False) == 0
+    last = printed.getvalue().strip().splitlines()[-1]
+    assert "PNG" not in last and "matplotlib is not installed" in last, last
+    assert not list(tmp_path.glob("*.png"))
+    assert "Figures skipped" in (tmp_path / "report.md").read_text()
+
+
 # ------------------------------------------------------------------ command line
+def test_command_line_runs_and_reports(tmp_path: Path) -> None:
+    printed = io.StringIO()
+    argv = ["demo", "--quick", "--tasks", "digits", "--optimizers", "AdamW", "--seeds", "1", "--steps", "4",
+            "--jobs", "1", "--out", str(tmp_path), "--no-progress"]
+    with contextlib.redirect_stdout(printed):
+        assert cli_main(argv) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["command"] == "fismo " + " ".join(argv) and payload["preset"] == "quick"
+    assert [(r["optimizer"], r["steps"]) for r in payload["runs"]] == [("AdamW", 4)] * 3  # the quick grid
+    last = printed.getvalue().strip().splitlines()[-1]
+    assert last.startswith(f"Wrote {tmp_path}/report.md") and "2 PNG figures" in last, last
+
+
 def test_demo_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["demo", "--optimizers", "Adam"], ["demo", "--tasks", "cifar"], ["demo", "--seeds", "0"]):
         with pytest.raises(SystemExit) as exc:

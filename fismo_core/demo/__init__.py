@@ -20,18 +20,41 @@ from __future__ import annotations
 from .config import DemoConfig, TaskPlan, default_config
 from .run import DemoResults, run_demo
 
-__all__ = ["DemoConfig", "DemoResults", "TaskPlan", "default_config", "main", "run_demo"]
+__all__ = ["DemoConfig", "DemoResults", "TaskPlan", "default_config", "main", "run_demo", "wrote_line"]
 
 
-def main(config: DemoConfig, out: str = "fismo-results", *, progress: bool = True, command: str = "fismo demo") -> int:
-    """Run the demo ``config`` and write its report to ``out``; prints the tables. Returns the exit code (0)."""
+def main(
+    config: DemoConfig,
+    out: str = "fismo-results",
+    *,
+    progress: bool = True,
+    command: str = "fismo demo",
+    journal: bool = False,
+) -> int:
+    """Run the demo ``config`` and write its report to ``out``; prints the tables. Returns the exit code (0).
+
+    ``journal``: record every finished run in ``out/journal.jsonl`` and reuse
+    the runs already recorded there (an interrupted demo resumes; see
+    [`run_demo`][fismo_core.demo.run_demo]).
+    """
     from pathlib import Path
 
     from .report import write_report
 
-    results = run_demo(config, progress=progress)
-    report = write_report(results, Path(out), command)
+    path = Path(out)
+    if journal:
+        path.mkdir(parents=True, exist_ok=True)
+    results = run_demo(config, progress=progress, journal=path / "journal.jsonl" if journal else None)
+    report, files = write_report(results, path, command)
     print(report)
-    print(f"Wrote {out}/report.md, summary.csv, runs.csv, curves.csv, results.json and the PNG figures "
-          f"in {results.seconds:.0f} s.")
+    print(wrote_line(out, files, results.seconds, results.cpu_seconds))
     return 0
+
+
+def wrote_line(out: str, files: list[str], seconds: float, cpu_seconds: float) -> str:
+    """The demo's last line: the files it wrote (no PNG claimed where none was written) and its times."""
+    tables = [f for f in files if not f.endswith(".png")]
+    figures = [f for f in files if f.endswith(".png")]
+    what = f"{out}/{tables[0]}, " + ", ".join(tables[1:])
+    what += f" and {len(figures)} PNG figures" if figures else " (no figures: matplotlib is not installed)"
+    return f"Wrote {what} in {seconds:.0f} s ({cpu_seconds:.0f} CPU-seconds)."

@@ -9,6 +9,11 @@ The scale-invariant variant takes larger steps at the same learning rate
 preconditioners are small), so its grid is lower. The text grids of FISMO,
 Muon and the variant were moved by a factor 2 after a first full run
 selected an edge of the grid (``docs/results.md`` gives both).
+
+Controls are not swept: each runs at the selected learning rate of the
+optimizer it modifies, with every seed (the Muon controls at Muon's, the
+blocked FISMO controls at FISMO's and FISMO-SI's, ``FISMO-bf16`` at
+FISMO's), so that it differs from its base in one thing only.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .optimizers import ALL_OPTIMIZERS
+from .optimizers import ALL_OPTIMIZERS, fismo_controls
 from .tasks import DigitsTask, Task, TextTask
 
 __all__ = ["DemoConfig", "TaskPlan", "default_config"]
@@ -32,6 +37,13 @@ class TaskPlan:
     warmup: int
     adamw_lr: float  # the AdamW part of FISMO and Muon (biases, norms, embeddings, head)
     lrs: dict[str, tuple[float, ...]]
+    block_sizes: tuple[int, ...] = ()  # FISMO-B<B> and FISMO-SI-B<B> controls
+    bf16: bool = True  # the FISMO-bf16 control
+
+    @property
+    def fismo_controls(self) -> tuple[str, ...]:
+        """The FISMO controls of this task (run when their base optimizer is)."""
+        return fismo_controls(self.block_sizes, self.bf16)
 
 
 @dataclass(frozen=True)
@@ -43,16 +55,31 @@ class DemoConfig:
     seeds: int
     jobs: int
     quick: bool
+    preset: str = "default"
 
 
-def _digits_plan(steps: int) -> TaskPlan:
-    every = max(1, steps // 20)
+#: Block sizes of the blocked controls. Digits' hidden matrices are 16x9, 32x144 and 64x128: B = 32 splits
+#: the 144 side in 4 blocks and a remainder of 16, 128 in 4 and 64 in 2; B = 64 splits 144 and 128 only.
+DIGITS_BLOCKS = (32, 64)
+#: The GPT's are 192x64, 64x64, 256x64 and 64x256 per layer: B = 32 splits every side (64 in 2, 256 in 8),
+#: B = 64 the long sides only (192 in 3, 256 in 4).
+TEXT_BLOCKS = (32, 64)
+
+
+def _every(steps: int, points: int = 20) -> int:
+    """Steps between ``points`` evaluations over a run; also the warm-up length (5 % of the steps)."""
+    return max(1, steps // points)
+
+
+def _digits_plan(steps: int, task: DigitsTask = DigitsTask(), points: int = 20,
+                 block_sizes: tuple[int, ...] = DIGITS_BLOCKS) -> TaskPlan:
+    every = _every(steps, points)
     return TaskPlan(
-        task=DigitsTask(),
+        task=task,
         steps=steps,
         eval_every=every,
         measure_every=every,
-        warmup=every,
+        warmup=_every(steps),
         adamw_lr=3e-3,
         lrs={
             "FISMO": (0.01, 0.02, 0.04),
@@ -62,17 +89,18 @@ def _digits_plan(steps: int) -> TaskPlan:
             "SGD": (0.03, 0.06, 0.12),
             "SOAP": (3e-3, 1e-2, 3e-2),
         },
+        block_sizes=block_sizes,
     )
 
 
-def _text_plan(steps: int, task: TextTask) -> TaskPlan:
-    every = max(1, steps // 20)
+def _text_plan(steps: int, task: TextTask, points: int = 20, block_sizes: tuple[int, ...] = TEXT_BLOCKS) -> TaskPlan:
+    every = _every(steps, points)
     return TaskPlan(
         task=task,
         steps=steps,
         eval_every=every,
         measure_every=every,
-        warmup=every,
+        warmup=_every(steps),
         adamw_lr=3e-3,
         lrs={
             "FISMO": (0.02, 0.04, 0.08),
@@ -82,27 +110,56 @@ def _text_plan(steps: int, task: TextTask) -> TaskPlan:
             "SGD": (0.1, 0.3, 0.6),
             "SOAP": (3e-3, 1e-2, 3e-2),
         },
+        block_sizes=block_sizes,
     )
+
+
+def _middle(plan: TaskPlan) -> TaskPlan:
+    """The plan with each grid cut to its two upper values (the tiny preset's sweep)."""
+    return replace(plan, lrs={name: grid[1:] for name, grid in plan.lrs.items()})
+
+
+#: The presets: the main job, ``--quick`` (a smoke test of the whole pipeline) and ``tiny`` (the tests').
+PRESETS = ("default", "quick", "tiny")
 
 
 def default_config(
     quick: bool = False,
     *,
+    preset: Optional[str] = None,
     tasks: tuple[str, ...] = ("digits", "text"),
     optimizers: Optional[tuple[str, ...]] = None,
     seeds: Optional[int] = None,
     steps: Optional[int] = None,
     jobs: int = 2,
 ) -> DemoConfig:
-    """The default demo, or the ``--quick`` one, with optional overrides.
+    """The default demo, or the ``--quick`` one (``quick=True`` is ``preset="quick"``), with optional overrides.
 
-    Default: 3 seeds; digits 400 steps, text 600 steps on 2 MB of text.
-    Quick: 2 seeds; digits 100 steps, text 60 steps on 0.5 MB, a smaller
-    evaluation set.
+    - ``"default"``: 3 seeds; digits 400 steps, text 600 steps on 2 MB of
+      text; blocked controls with ``B`` = 32 and 64 on both tasks.
+    - ``"quick"``: 2 seeds; digits 100 steps, text 60 steps on 0.5 MB, a
+      smaller evaluation set, 10 measurements per run, the blocked controls
+      with ``B = 32`` only.
+    - ``"tiny"``: the tests' preset, every code path in seconds: 2 seeds,
+      two learning rates per optimizer, digits 40 and text 16 steps of a
+      narrower, shorter-context GPT on 200 KB, 4 measurements per run,
+      ``B = 32``.
     """
-    if quick:
+    chosen_preset = preset if preset is not None else ("quick" if quick else "default")
+    if chosen_preset not in PRESETS:
+        raise ValueError(f"unknown preset {chosen_preset!r}; use one of {', '.join(PRESETS)}")
+    if quick and chosen_preset != "quick":
+        raise ValueError(f"quick=True contradicts preset={preset!r}")
+    if chosen_preset == "quick":
         text = TextTask(max_train_bytes=500_000, max_val_bytes=100_000, val_windows=64)
-        plans = {"digits": _digits_plan(100), "text": _text_plan(60, text)}
+        plans = {"digits": _digits_plan(100, points=10, block_sizes=(32,)),
+                 "text": _text_plan(60, text, points=10, block_sizes=(32,))}
+        n_seeds = 2
+    elif chosen_preset == "tiny":
+        text = TextTask(batch_size=16, context=32, dim=32, heads=2, max_train_bytes=200_000,
+                        max_val_bytes=20_000, val_windows=32)
+        plans = {"digits": _middle(_digits_plan(40, points=4, block_sizes=(32,))),
+                 "text": _middle(_text_plan(16, text, points=4, block_sizes=(16,)))}
         n_seeds = 2
     else:
         plans = {"digits": _digits_plan(400), "text": _text_plan(600, TextTask())}
@@ -113,11 +170,12 @@ def default_config(
             raise ValueError(f"unknown task {name!r}; use 'digits' or 'text'")
         plan = plans[name]
         if steps is not None:
-            every = max(1, steps // 20)
-            plan = replace(plan, steps=steps, eval_every=every, measure_every=every, warmup=every)
+            every = _every(steps, max(1, plan.steps // plan.eval_every))
+            plan = replace(plan, steps=steps, eval_every=every, measure_every=every, warmup=_every(steps))
         chosen.append(plan)
     selected = ALL_OPTIMIZERS if optimizers is None else optimizers
     for name in selected:
         if name not in ALL_OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(ALL_OPTIMIZERS)}")
-    return DemoConfig(tuple(chosen), tuple(selected), n_seeds if seeds is None else seeds, jobs, quick)
+    return DemoConfig(tuple(chosen), tuple(selected), n_seeds if seeds is None else seeds, jobs,
+                      chosen_preset == "quick", chosen_preset)

@@ -11,6 +11,12 @@
   ``Muon-fp32``, FISMO with ``gamma = 1`` (``P = Q = I`` for ever), which is
   Muon with its Newton–Schulz iteration in float32 instead of
   ``torch.optim.Muon``'s bfloat16.
+- **FISMO controls**, run at the selected learning rate of the FISMO
+  variant they modify, with every seed: ``FISMO-B<B>`` and ``FISMO-SI-B<B>``
+  (block-diagonal factors, ``block_size=B``; the question "does blocking
+  cost anything?") and ``FISMO-bf16`` (the Newton–Schulz iteration of line 8
+  in bfloat16, ``polar={"dtype": "bfloat16"}``, as ``torch.optim.Muon`` runs
+  it).
 - **AdamW**, **SGD** (momentum 0.9) and **SOAP** (``pytorch_optimizer.SOAP``,
   a Shampoo-family method, if the package is installed) on every parameter.
 
@@ -26,6 +32,7 @@ the step direction.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -41,6 +48,8 @@ __all__ = [
     "MUON_CONTROLS",
     "BuiltOptimizer",
     "build_optimizer",
+    "control_base",
+    "fismo_controls",
     "soap_available",
 ]
 
@@ -50,8 +59,28 @@ ALL_OPTIMIZERS: tuple[str, ...] = ("FISMO", "FISMO-SI", "Muon", "AdamW", "SGD", 
 #: Muon variants run once, at Muon's selected learning rate, for the condition-number figure.
 MUON_CONTROLS: tuple[str, ...] = ("Muon-NS7", "Muon-fp32")
 
+#: A FISMO control's name: the base variant, an optional block size, an optional polar dtype.
+_FISMO_NAME = re.compile(r"^(?P<base>FISMO(?:-SI)?)(?:-B(?P<block>[1-9][0-9]*))?(?P<bf16>-bf16)?$")
+
+
+def fismo_controls(block_sizes: tuple[int, ...], bf16: bool = True) -> tuple[str, ...]:
+    """The FISMO controls of a task: ``FISMO-B<B>`` and ``FISMO-SI-B<B>`` per block size, then ``FISMO-bf16``."""
+    names = [f"{base}-B{b}" for b in block_sizes for base in ("FISMO", "FISMO-SI")]
+    return (*names, *(("FISMO-bf16",) if bf16 else ()))
+
+
+def control_base(name: str) -> str:
+    """The optimizer whose selected learning rate a control runs at (``"Muon"`` for Muon's controls)."""
+    if name in MUON_CONTROLS:
+        return "Muon"
+    match = _FISMO_NAME.match(name)
+    if match is None or name in ALL_OPTIMIZERS:
+        raise ValueError(f"{name!r} is not a control")
+    return match["base"]
+
+
 #: The optimizers in the condition-number figure (the paper's Figure "con_num", the variant, the controls).
-CONDITION_OPTIMIZERS: tuple[str, ...] = ("FISMO", "FISMO-SI", "AdamW", "Muon", *MUON_CONTROLS)
+CONDITION_OPTIMIZERS: tuple[str, ...] = ("FISMO", "FISMO-SI", "FISMO-bf16", "AdamW", "Muon", *MUON_CONTROLS)
 
 #: Shared by FISMO and Muon: EMA momentum without Nesterov, Muon's shape-dependent lr.
 MOMENTUM = 0.95
@@ -102,21 +131,31 @@ def _is_head(name: str, _p: nn.Parameter) -> bool:
 def build_optimizer(name: str, model: nn.Module, lr: float, adamw_lr: float) -> BuiltOptimizer:
     """Optimizers for ``model``: ``lr`` for the optimizer ``name``, ``adamw_lr`` for the AdamW part of FISMO and Muon.
 
-    ``name`` is one of [`ALL_OPTIMIZERS`][fismo_core.demo.optimizers.ALL_OPTIMIZERS]
-    or [`MUON_CONTROLS`][fismo_core.demo.optimizers.MUON_CONTROLS].
+    ``name`` is one of [`ALL_OPTIMIZERS`][fismo_core.demo.optimizers.ALL_OPTIMIZERS],
+    [`MUON_CONTROLS`][fismo_core.demo.optimizers.MUON_CONTROLS] or a FISMO
+    control (``FISMO-B32``, ``FISMO-SI-B32``, ``FISMO-bf16``, see
+    [`fismo_controls`][fismo_core.demo.optimizers.fismo_controls]).
     """
     adamw_options = {"lr": adamw_lr, "weight_decay": 0.0}
     groups = param_groups(model, adamw=_is_head, adamw_options=adamw_options)
     matrices = list(groups[0]["params"])
     rest = list(groups[1]["params"]) if len(groups) > 1 else []
     everything = [p for p in model.parameters() if p.requires_grad]
-    if name in ("FISMO", "FISMO-SI", "Muon-fp32"):
-        statistics = "scale_invariant" if name == "FISMO-SI" else "printed"
-        frozen = {"gamma": 1.0} if name == "Muon-fp32" else {}  # P = Q = I: Muon, Newton-Schulz in float32
-        opt = FISMO(
-            groups, lr=lr, beta=MOMENTUM, nesterov=False, adjust_lr_fn=ADJUST_LR_FN, statistics=statistics, **frozen
-        )
-        return BuiltOptimizer([opt], matrices, fismo=None if frozen else opt)
+    fismo_name = _FISMO_NAME.match(name)
+    if fismo_name is not None or name == "Muon-fp32":
+        options: dict = {}
+        if name == "Muon-fp32":
+            options["gamma"] = 1.0  # P = Q = I: Muon, Newton-Schulz in float32
+        else:
+            assert fismo_name is not None
+            if fismo_name["base"] == "FISMO-SI":
+                options["statistics"] = "scale_invariant"
+            if fismo_name["block"]:
+                options["block_size"] = int(fismo_name["block"])
+            if fismo_name["bf16"]:
+                options["polar"] = {"dtype": "bfloat16"}
+        opt = FISMO(groups, lr=lr, beta=MOMENTUM, nesterov=False, adjust_lr_fn=ADJUST_LR_FN, **options)
+        return BuiltOptimizer([opt], matrices, fismo=None if name == "Muon-fp32" else opt)
     if name in ("Muon", "Muon-NS7"):
         muon = torch.optim.Muon(
             matrices,
@@ -138,4 +177,7 @@ def build_optimizer(name: str, model: nn.Module, lr: float, adamw_lr: float) -> 
         from pytorch_optimizer import SOAP
 
         return BuiltOptimizer([SOAP(everything, lr=lr, weight_decay=0.0)], matrices)
-    raise ValueError(f"unknown optimizer {name!r}; choose from {ALL_OPTIMIZERS + MUON_CONTROLS}")
+    raise ValueError(
+        f"unknown optimizer {name!r}; choose from {ALL_OPTIMIZERS + MUON_CONTROLS} or a FISMO control "
+        "(FISMO-B<block size>, FISMO-SI-B<block size>, FISMO-bf16)"
+    )

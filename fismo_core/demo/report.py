@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
@@ -15,11 +16,11 @@ from typing import Any, Optional
 
 import torch
 
-from .optimizers import CONDITION_OPTIMIZERS, MUON_CONTROLS
+from .optimizers import CONDITION_OPTIMIZERS, control_base
 from .run import DemoResults
 from .train import RunResult
 
-__all__ = ["Summary", "summarise", "write_report"]
+__all__ = ["Summary", "digest", "environment", "summarise", "write_report"]
 
 _COLOURS = {
     "FISMO": "tab:red",
@@ -30,7 +31,10 @@ _COLOURS = {
     "AdamW": "tab:orange",
     "SGD": "tab:gray",
     "SOAP": "tab:green",
+    "FISMO-bf16": "tab:pink",
 }
+#: Line styles of the blocked controls in the blocking figure, by block size rank (smallest first).
+_BLOCK_STYLES = ("--", ":", "-.")
 
 
 class Summary(dict):
@@ -85,9 +89,13 @@ def _optimizers(results: DemoResults) -> list[str]:
     return [o for o in results.config.optimizers if o not in results.skipped]
 
 
-def _controls(results: DemoResults) -> list[str]:
-    """The Muon controls that were run (they are run when Muon is)."""
-    return [c for c in MUON_CONTROLS if any(r.optimizer == c for r in results.runs)]
+def _controls(results: DemoResults, task: Optional[str] = None) -> list[str]:
+    """The controls that were run (on ``task``, or on any task), in the order of the config."""
+    names: list[str] = []
+    for t, controls in results.controls.items():
+        if task is None or t == task:
+            names += [c for c in controls if c not in names and any(r.optimizer == c for r in results.runs)]
+    return names
 
 
 def summarise(results: DemoResults) -> list[Summary]:
@@ -95,7 +103,7 @@ def summarise(results: DemoResults) -> list[Summary]:
     rows = []
     for plan in results.config.plans:
         task = plan.task.name
-        for opt in _optimizers(results) + _controls(results):
+        for opt in _optimizers(results) + _controls(results, task):
             runs = _selected(results, task, opt)
             val = [r.final_val_loss for r in runs]
             mean, std = _mean_std(val)
@@ -105,7 +113,7 @@ def summarise(results: DemoResults) -> list[Summary]:
                 Summary(
                     task=task,
                     optimizer=opt,
-                    lr_grid=" ".join(f"{lr:g}" for lr in plan.lrs[opt]) if opt in plan.lrs else "Muon's",
+                    lr_grid=" ".join(f"{lr:g}" for lr in plan.lrs[opt]) if opt in plan.lrs else f"{control_base(opt)}'s",
                     lr=results.best_lr[(task, opt)],
                     seeds=len(runs),
                     val_loss_mean=mean,
@@ -116,6 +124,7 @@ def summarise(results: DemoResults) -> list[Summary]:
                     val_loss=_pm(val),
                     val_acc=_pm(acc) if acc else "–",
                     seconds_per_run=statistics.fmean(r.seconds for r in runs) if runs else math.nan,
+                    cpu_seconds_per_run=statistics.fmean(r.cpu_seconds for r in runs) if runs else math.nan,
                 )
             )
     return rows
@@ -135,10 +144,10 @@ def summary_table(results: DemoResults, task: str) -> str:
     with_acc = any(s["val_acc"] != "–" for s in rows)
     ranked = sorted(rows, key=lambda s: s["val_loss_mean"])
     header = ["optimizer", "lr grid", "selected lr", "held-out loss", *(["held-out accuracy"] if with_acc else []),
-              "training loss (last window)", "seeds", "s / run"]
+              "training loss (last window)", "seeds", "CPU s / run"]
     body = [
         [s["optimizer"], s["lr_grid"], f"{s['lr']:g}", s["val_loss"], *([s["val_acc"]] if with_acc else []),
-         s["train_loss"], s["seeds"], f"{s['seconds_per_run']:.1f}"]
+         s["train_loss"], s["seeds"], f"{s['cpu_seconds_per_run']:.1f}"]
         for s in ranked
     ]
     return _markdown_table(header, body)
@@ -169,6 +178,99 @@ def condition_table(results: DemoResults, task: str) -> str:
         h = runs[0].history
         body.append([opt, f"{runs[0].lr:g}", _sci(h.kappa[0]), _sci(statistics.median(h.kappa)), _sci(h.kappa[-1])])
     return _markdown_table(["optimizer", "lr", "κ at step 1", "median κ", "κ at the last step"], body)
+
+
+def _block_size(name: str) -> Optional[int]:
+    """The block size of a blocked control's name (``FISMO-SI-B32`` -> 32), None for anything else."""
+    tail = name.rsplit("-B", 1)
+    return int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else None
+
+
+def _matrix_shapes(results: DemoResults, task: str) -> list[tuple[int, int]]:
+    """Shapes of the hidden matrices of ``task``'s model (the parameters FISMO and Muon optimise)."""
+    from .optimizers import build_optimizer
+
+    plan = next(p for p in results.config.plans if p.task.name == task)
+    return [tuple(p.shape) for p in build_optimizer("AdamW", plan.task.model(), 0.01, 0.01).matrices]
+
+
+def _state_elements(shapes: Sequence[tuple[int, int]], optimizer: str) -> int:
+    """Optimizer-state elements of the hidden matrices: FISMO's ``P``, ``Q``, roots and ``M``; Muon's momentum."""
+    if optimizer.startswith("Muon"):
+        return sum(m * n for m, n in shapes)
+    from fismo_core.kronecker import state_size
+
+    return sum(state_size(m, n, _block_size(optimizer)) for m, n in shapes)
+
+
+def _paired(results: DemoResults, task: str, name: str, base: str) -> tuple[list[float], list[float]]:
+    """Final held-out losses of ``name`` and ``base`` on the seeds both have (same seed: same init and batches)."""
+    a = {r.seed: r.final_val_loss for r in _selected(results, task, name)}
+    b = {r.seed: r.final_val_loss for r in _selected(results, task, base)}
+    seeds = sorted(set(a) & set(b))
+    return [a[s] for s in seeds], [b[s] for s in seeds]
+
+
+def _difference(results: DemoResults, task: str, name: str, base: str) -> str:
+    ours, theirs = _paired(results, task, name, base)
+    if not ours:
+        return "–"
+    return _pm([x - y for x, y in zip(ours, theirs)], 4) if all(map(math.isfinite, ours + theirs)) else "diverged"
+
+
+def blocking_table(results: DemoResults, task: str) -> str:
+    """Full FISMO and FISMO-SI against their blocked controls (same lr, same seeds) and Muon.
+
+    The difference column is paired by seed: each seed's blocked loss minus
+    the same seed's full-factor loss, mean ± std over seeds.
+    """
+    controls = _controls(results, task)
+    shapes = _matrix_shapes(results, task)
+    rows = {s["optimizer"]: s for s in summarise(results) if s["task"] == task}
+    body = []
+    for base in ("FISMO", "FISMO-SI"):
+        blocked = sorted((c for c in controls if control_base(c) == base and _block_size(c)), key=_block_size,
+                         reverse=True)
+        if base not in rows or not blocked:
+            continue
+        for name in (base, *blocked):
+            s = rows[name]
+            body.append([name, str(_block_size(name) or "full"), f"{s['lr']:g}", s["val_loss"],
+                         "0" if name == base else _difference(results, task, name, base),
+                         f"{_state_elements(shapes, name):,}", f"{s['cpu_seconds_per_run']:.1f}"])
+    if not body:
+        return ""
+    for name in ("Muon", "Muon-fp32"):
+        if name in rows:
+            s = rows[name]
+            body.append([name, "–", f"{s['lr']:g}", s["val_loss"], _difference(results, task, name, "FISMO"),
+                         f"{_state_elements(shapes, name):,}", f"{s['cpu_seconds_per_run']:.1f}"])
+    header = ["optimizer", "block size", "lr", "held-out loss", "minus full (same seed)", "state elements",
+              "CPU s / run"]
+    return _markdown_table(header, body)
+
+
+def bf16_table(results: DemoResults, task: str) -> str:
+    """FISMO with the Newton–Schulz iteration in bfloat16 against FISMO (float32) and the Muon pair."""
+    rows = {s["optimizer"]: s for s in summarise(results) if s["task"] == task}
+    if "FISMO-bf16" not in rows or "FISMO" not in rows:
+        return ""
+    kappa = {}
+    for name in ("FISMO", "FISMO-bf16", "Muon-fp32", "Muon"):
+        runs = [r for r in _selected(results, task, name) if r.seed == 0 and r.history.kappa]
+        kappa[name] = _sci(statistics.median(runs[0].history.kappa)) if runs else "–"
+    body = []
+    for name, precision, base in (("FISMO", "float32", None), ("FISMO-bf16", "bfloat16", "FISMO"),
+                                  ("Muon-fp32", "float32", None), ("Muon", "bfloat16", "Muon-fp32")):
+        if name not in rows:
+            continue
+        s = rows[name]
+        diff = "0" if base is None else (_difference(results, task, name, base) if base in rows else "–")
+        body.append([name, precision, f"{s['lr']:g}", s["val_loss"], diff, kappa[name],
+                     f"{s['cpu_seconds_per_run']:.1f}"])
+    header = ["optimizer", "Newton–Schulz in", "lr", "held-out loss", "minus the float32 row above (same seed)",
+              "median κ (seed 0)", "CPU s / run"]
+    return _markdown_table(header, body)
 
 
 def preconditioner_table(results: DemoResults, task: str) -> str:
@@ -250,6 +352,34 @@ def _plot_losses(results: DemoResults, task: str, title: str, path: Path) -> Non
     _save(fig, path)
 
 
+def _plot_blocks(results: DemoResults, task: str, title: str, path: Path) -> None:
+    """Held-out loss of full and blocked FISMO and FISMO-SI (and Muon): mean over seeds, selected lr."""
+    import matplotlib.pyplot as plt
+
+    controls = _controls(results, task)
+    sizes = sorted({b for c in controls if (b := _block_size(c))})
+    fig, ax = plt.subplots(figsize=(6.0, 3.8), constrained_layout=True)
+    for base in ("FISMO", "FISMO-SI", "Muon"):
+        names = [base] + ([f"{base}-B{b}" for b in sizes] if base != "Muon" else [])
+        for name in names:
+            runs = [r for r in _selected(results, task, name) if not r.diverged]
+            if not runs:
+                continue
+            steps, mean, _, _ = _mean_curve(runs, "val_loss", "eval_step")
+            b = _block_size(name)
+            style = "-" if b is None else _BLOCK_STYLES[sizes.index(b) % len(_BLOCK_STYLES)]
+            label = f"{name} (lr {runs[0].lr:g})" if b is None else f"{base}, B = {b}"
+            ax.plot(steps[1:], mean[1:], ls=style, color=_COLOURS[base], lw=1.3, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    n = max((len(_selected(results, task, c)) for c in controls), default=0)
+    ax.set_title(f"{title}: full vs block-diagonal factors (mean over {n} seeds)", fontsize=9)
+    _save(fig, path)
+
+
 def _plot_condition(results: DemoResults, task: str, title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -303,18 +433,57 @@ def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[object
         writer.writerows(rows)
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> str:
-    """Python, torch, CPU count and threads: the line every results file starts with."""
+    """Python, torch, the CPU and the instruction set torch's kernels use: the line every results file starts with.
+
+    The figures are bit-for-bit reproducible only with the same CPU
+    instruction set and the same software: torch's CPU kernels take
+    different code paths (and round differently) on AVX2, AVX-512 and other
+    CPUs, which changes every trajectory a little, and the final losses by as
+    much as the seed-to-seed spread.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()
     return (
-        f"Python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, one torch thread per run"
+        f"Python {platform.python_version()}, torch {torch.__version__}, {platform.machine()} "
+        f"({_cpu_model()}, torch CPU capability {capability}), {os.cpu_count()} CPUs, one torch thread per run"
     )
 
 
-def write_report(results: DemoResults, out: Path, command: str) -> str:
+def digest(results: DemoResults) -> str:
+    """SHA-256 of every run's numbers (curves, final values; not its timings), in a fixed order.
+
+    Two runs of the same configuration on the same CPU instruction set and
+    software give the same digest; it is the quick way to compare a fresh run
+    with a published one.
+    """
+    timing = {"seconds", "cpu_seconds"}
+    runs = sorted(results.runs, key=lambda r: (r.task, r.optimizer, r.lr, r.seed))
+    payload = [{k: v for k, v in r.to_dict().items() if k not in timing} for r in runs]
+    text = json.dumps({"best_lr": sorted((t, o, lr) for (t, o), lr in results.best_lr.items()), "runs": payload},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, list[str]]:
     """Write ``report.md``, ``summary.csv``, ``runs.csv``, ``curves.csv``, ``results.json`` and the PNGs to ``out``.
 
-    Returns the markdown report (also printed by the CLI).
+    The PNG figures need matplotlib; without it the report says so and no
+    figure is written. Returns the markdown report (also printed by the CLI)
+    and the names of the files written, in order.
     """
     try:
         import matplotlib
@@ -324,11 +493,20 @@ def write_report(results: DemoResults, out: Path, command: str) -> str:
         matplotlib.use("Agg")
         plots = True
     out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    load = ""
+    if hasattr(os, "getloadavg"):
+        load = f"; load average at the end {os.getloadavg()[0]:.1f}"
     parts = [
         "# fismo demo results",
         "",
-        f"Command: `{command}`  ",
-        f"Wall time: {results.seconds:.0f} s ({results.config.jobs} parallel jobs); {environment()}.",
+        f"Command: `{command}` (preset {results.config.preset!r})  ",
+        f"Wall time: {_minutes(results.seconds)} ({results.config.jobs} parallel jobs{load}); "
+        f"CPU time {results.cpu_seconds:.0f} s"
+        + (f"; {results.reused} runs reused from the journal" if results.reused else "") + "  ",
+        f"{environment()}.  ",
+        f"Result digest: `{digest(results)}` (every run's numbers, not its timings: the same digest means the "
+        "same figures to the last bit).",
     ]
     for name, reason in results.skipped.items():
         parts.append(f"\n**{name} skipped**: {reason}.")
@@ -339,8 +517,12 @@ def write_report(results: DemoResults, out: Path, command: str) -> str:
         figures = [("loss", _plot_losses), ("condition", _plot_condition)]
         if any(r.task == task and r.history.cond_P for r in results.runs):  # FISMO was run
             figures.append(("preconditioner", _plot_preconditioners))
+        blocks = blocking_table(results, task)
+        if blocks:
+            figures.append(("blocks", _plot_blocks))
         for kind, plot in figures if plots else ():
             plot(results, task, title, out / f"{task}_{kind}.png")
+            written.append(f"{task}_{kind}.png")
         parts += [
             "",
             f"## {title}",
@@ -364,6 +546,11 @@ def write_report(results: DemoResults, out: Path, command: str) -> str:
             "",
             preconditioner_table(results, task),
         ]
+        if blocks:
+            parts += ["", "Block-diagonal factors (same lr and seeds as the full factors):", "", blocks]
+        bf16 = bf16_table(results, task)
+        if bf16:
+            parts += ["", "Newton–Schulz precision (same lr and seeds):", "", bf16]
         if plots:
             parts += ["", *(f"![{task} {kind}]({task}_{kind}.png)" for kind, _ in figures)]
     report = "\n".join(parts) + "\n"
@@ -371,10 +558,10 @@ def write_report(results: DemoResults, out: Path, command: str) -> str:
 
     rows = summarise(results)
     keys = ["task", "optimizer", "lr_grid", "lr", "seeds", "val_loss_mean", "val_loss_std", "val_acc_mean",
-            "val_acc_std", "seconds_per_run"]
+            "val_acc_std", "seconds_per_run", "cpu_seconds_per_run"]
     _write_csv(out / "summary.csv", keys, ([s[k] for k in keys] for s in rows))
     run_keys = ["task", "optimizer", "lr", "seed", "steps", "final_val_loss", "final_val_acc", "final_train_loss",
-                "diverged", "seconds"]
+                "diverged", "seconds", "cpu_seconds"]
     _write_csv(out / "runs.csv", run_keys, ([getattr(r, k) for k in run_keys] for r in results.runs))
     curve_rows = []
     for r in results.runs:
@@ -387,12 +574,15 @@ def write_report(results: DemoResults, out: Path, command: str) -> str:
     _write_csv(out / "curves.csv", ["task", "optimizer", "lr", "seed", "metric", "step", "value"], curve_rows)
     payload = {
         "command": command,
+        "preset": results.config.preset,
         "seconds": results.seconds,
+        "cpu_seconds": results.cpu_seconds,
         "environment": environment(),
+        "digest": digest(results),
         "python": sys.version,
         "skipped": results.skipped,
         "best_lr": [{"task": t, "optimizer": o, "lr": lr} for (t, o), lr in results.best_lr.items()],
         "runs": [r.to_dict() for r in results.runs],
     }
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
-    return report
+    return report, ["report.md", "summary.csv", "runs.csv", "curves.csv", "results.json", *written]

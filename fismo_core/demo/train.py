@@ -13,7 +13,8 @@ steps (and at step 1) it also records
 - the root mean square ``sigma = ||G||_F / sqrt(mn)`` of the hidden
   matrices' gradients (the scale that decides whether FISMO's EMA moves);
 - for FISMO runs, read from the optimizer's ``state[p]``: ``cond(P)``,
-  ``cond(Q)`` and ``||P - I||_F / sqrt(m)``, ``||Q - I||_F / sqrt(n)``.
+  ``cond(Q)`` and ``||P - I||_F / sqrt(m)``, ``||Q - I||_F / sqrt(n)``
+  (of the whole block-diagonal factor for the blocked controls).
 
 Every number is averaged over the hidden matrices. A run whose loss becomes
 NaN or infinite stops and is marked diverged.
@@ -81,6 +82,7 @@ class RunResult:
     final_train_loss: float
     diverged: bool
     seconds: float
+    cpu_seconds: float = math.nan  # CPU time of the run's process during the run (one thread)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,14 +111,31 @@ def _condition(X: torch.Tensor) -> float:
     return (s[0] / s[-1]).item() if s[-1] > 0 else math.inf
 
 
-def _sym_condition(A: torch.Tensor) -> float:
-    e = torch.linalg.eigvalsh(A.double())
-    return (e[-1] / e[0]).item()
+def _diagonal_blocks(state: dict, name: str) -> list[torch.Tensor]:
+    """The diagonal blocks of the factor ``name`` ("P" or "Q") of a FISMO ``state[p]``, in float64.
+
+    A full factor is one block ``(d, d)``; a blocked one is stored as
+    ``(k, B, B)`` blocks, with a ``(r, r)`` remainder under ``"<name>_rest"``
+    where the side is not a multiple of ``B``.
+    """
+    factor = state[name]
+    full = getattr(factor, "full", factor)  # a fismo_core.kronecker.Blocks, or a tensor
+    rest = getattr(factor, "rest", state.get(f"{name}_rest"))
+    blocks = [full.double()] if full.ndim == 2 else list(full.double().unbind(0))
+    return blocks + ([rest.double()] if rest is not None else [])
 
 
-def _identity_distance(A: torch.Tensor) -> float:
-    m = A.shape[-1]
-    return (torch.linalg.matrix_norm(A.double() - torch.eye(m, dtype=torch.float64)) / math.sqrt(m)).item()
+def _sym_condition(blocks: list[torch.Tensor]) -> float:
+    """Condition number of the block-diagonal SPD matrix with these diagonal blocks."""
+    e = torch.cat([torch.linalg.eigvalsh(b) for b in blocks])
+    return (e.max() / e.min()).item()
+
+
+def _identity_distance(blocks: list[torch.Tensor]) -> float:
+    """``||A - I||_F / sqrt(d)`` of the block-diagonal matrix ``A`` with these diagonal blocks (``d`` its size)."""
+    d = sum(b.shape[-1] for b in blocks)
+    squares = sum(torch.linalg.matrix_norm(b - torch.eye(b.shape[-1], dtype=b.dtype)) ** 2 for b in blocks)
+    return math.sqrt(float(squares) / d)
 
 
 def _record_preconditioners(built: BuiltOptimizer, history: History) -> None:
@@ -126,10 +145,11 @@ def _record_preconditioners(built: BuiltOptimizer, history: History) -> None:
         state = built.fismo.state.get(p)
         if not state:
             continue
-        cP.append(_sym_condition(state["P"]))
-        cQ.append(_sym_condition(state["Q"]))
-        dP.append(_identity_distance(state["P"]))
-        dQ.append(_identity_distance(state["Q"]))
+        P, Q = _diagonal_blocks(state, "P"), _diagonal_blocks(state, "Q")
+        cP.append(_sym_condition(P))
+        cQ.append(_sym_condition(Q))
+        dP.append(_identity_distance(P))
+        dQ.append(_identity_distance(Q))
     history.cond_P.append(_mean(cP))
     history.cond_Q.append(_mean(cQ))
     history.P_dev.append(_mean(dP))
@@ -143,7 +163,7 @@ def train(spec: RunSpec, progress: Optional[Any] = None) -> RunResult:
     held-out data is the same for every seed. ``progress``, if given, is a
     tqdm bar advanced by one per step.
     """
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     task = spec.task
     torch.manual_seed(spec.seed)
     model = task.model()
@@ -212,4 +232,5 @@ def train(spec: RunSpec, progress: Optional[Any] = None) -> RunResult:
         final_train_loss=history.train_loss[-1] if not diverged else math.inf,
         diverged=diverged,
         seconds=time.perf_counter() - start,
+        cpu_seconds=time.process_time() - cpu_start,
     )
