@@ -8,7 +8,9 @@ pipeline needs on top is getting a state onto the GPU (from a checkpoint in
 NumPy arrays, or from another GPU) and back to the host; that is all this
 module does. Importing it does not import CuPy; calling a helper does.
 
-The step count ``state.step`` is a Python int and is left as it is.
+The step count ``state.step`` is a Python int and is left as it is. A
+blocked factor (:class:`fismo_core.kronecker.Blocks`) moves block array by
+block array and stays a ``Blocks``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional
 
+from fismo_core.kronecker import Blocks
 from fismo_core.optimizer import FISMOState
 
 __all__ = ["STATE_ARRAYS", "state_to_device", "state_to_host"]
@@ -66,13 +69,21 @@ def state_to_device(state: FISMOState, device: Any = None, *, stream: Optional[A
     with dev:
         with stream if stream is not None else contextlib.nullcontext():
             for name in STATE_ARRAYS:
-                x = getattr(state, name)
-                if isinstance(x, cupy.ndarray) and x.device.id != dev.id:
-                    # ndarray.copy() copies to the current device, peer to peer.
-                    moved[name] = x.copy()
-                else:
-                    moved[name] = cupy.asarray(x)
+                moved[name] = _each_array(getattr(state, name), lambda x: _to_device(cupy, x, dev))
     return state._replace(**moved)
+
+
+def _to_device(cupy: Any, x: Any, dev: Any) -> Any:
+    if isinstance(x, cupy.ndarray) and x.device.id != dev.id:
+        return x.copy()  # ndarray.copy() copies to the current device, peer to peer
+    return cupy.asarray(x)
+
+
+def _each_array(x: Any, move: Any) -> Any:
+    """``move`` applied to a field's array, or to each array of a `Blocks`."""
+    if isinstance(x, Blocks):
+        return Blocks(*(None if part is None else move(part) for part in x))
+    return move(x)
 
 
 def state_to_host(state: FISMOState, *, stream: Optional[Any] = None) -> FISMOState:
@@ -85,16 +96,15 @@ def state_to_host(state: FISMOState, *, stream: Optional[Any] = None) -> FISMOSt
     _check_state(state)
     import numpy as np
 
-    moved = {}
-    for name in STATE_ARRAYS:
-        x = getattr(state, name)
+    def to_host(x: Any, name: str) -> Any:
         if isinstance(x, (np.ndarray, int)):
-            moved[name] = x
-        elif type(x).__module__.split(".")[0] == "cupy":
-            moved[name] = x.get(stream=stream)
-        else:
-            raise TypeError(
-                f"state.{name} is a {type(x).__module__}.{type(x).__name__}; state_to_host takes CuPy or NumPy "
-                "arrays (for other libraries use array_api_compat.to_device)"
-            )
+            return x
+        if type(x).__module__.split(".")[0] == "cupy":
+            return x.get(stream=stream)
+        raise TypeError(
+            f"state.{name} is a {type(x).__module__}.{type(x).__name__}; state_to_host takes CuPy or NumPy "
+            "arrays (for other libraries use array_api_compat.to_device)"
+        )
+
+    moved = {name: _each_array(getattr(state, name), lambda x, name=name: to_host(x, name)) for name in STATE_ARRAYS}
     return state._replace(**moved)

@@ -8,12 +8,40 @@ unchanged on NumPy, CuPy, PyTorch, JAX and array-api-strict.
 - `FISMO`, `FISMOState`: the optimizer as pure functions.
 - `fismo_core.linalg`: the matrix functions (polar factor, inverse square
   root, trace normalisation), each with an exact and a matmul-only method.
+- `fismo_core.kronecker`: the Kronecker factors ``P`` and ``Q`` (full, or
+  block-diagonal with ``FISMO(block_size=B)``).
+- `fismo_core.guards`: checks, non-finite policies and root fault handling
+  around the algorithm.
 - `fismo_core.backends`: adapters to frameworks' own protocols.
 """
 
-from . import linalg
-from .optimizer import FISMO, FISMOState, InverseRootConfig, InverseRootError, InverseRootWarning, PolarConfig, state_dtype
+from . import guards, kronecker, linalg
+from .kronecker import Blocks
+from .optimizer import (
+    FISMO,
+    FISMOState,
+    InverseRootConfig,
+    InverseRootError,
+    InverseRootWarning,
+    PolarConfig,
+    StepLines,
+    state_dtype,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["FISMO", "FISMOState", "InverseRootConfig", "InverseRootError", "InverseRootWarning", "PolarConfig", "__version__", "linalg", "state_dtype"]
+__all__ = [
+    "FISMO",
+    "Blocks",
+    "FISMOState",
+    "InverseRootConfig",
+    "InverseRootError",
+    "InverseRootWarning",
+    "PolarConfig",
+    "StepLines",
+    "__version__",
+    "guards",
+    "kronecker",
+    "linalg",
+    "state_dtype",
+]

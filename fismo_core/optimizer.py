@@ -6,20 +6,26 @@ the same code serves JAX (immutable arrays) and keeps CuPy/PyTorch users'
 gradients intact. Every array may carry leading batch dimensions
 ``(..., m, n)``: a stack of same-shape matrices runs as one batched call.
 
-Line numbers below are those of Algorithm 1 in ``fismo-paper.tex``.
+Line numbers below are those of Algorithm 1 in ``fismo-paper.tex``. The
+algorithm itself is `FISMO._algorithm_1`, lines 4–8 in the paper's order
+and symbols; the Kronecker factors are objects of `fismo_core.kronecker`
+(full, or block-diagonal with ``block_size``), and everything that guards the
+step (argument checks, non-finite policies, overflow-safe scaling, root fault
+handling) is in `fismo_core.guards`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 from array_api_compat import array_namespace, device
 
-from . import linalg
+from . import guards, linalg
+from .guards import InverseRootError, InverseRootWarning
+from .kronecker import BlockDiagonalFactor, Blocks, Factor, Structure, factor_structure
 from .linalg import Array, Coefficients, _check_same_namespace_and_device
 
 __all__ = [
@@ -29,6 +35,7 @@ __all__ = [
     "InverseRootError",
     "InverseRootWarning",
     "PolarConfig",
+    "StepLines",
     "state_dtype",
 ]
 
@@ -43,12 +50,21 @@ class PolarConfig:
     class: torch runs the iteration in bfloat16 (here it runs in the state's
     dtype), and torch multiplies the learning rate by ``sqrt(max(1, m/n))``
     even when ``adjust_lr_fn=None``.
+
+    ``dtype`` runs the Newton–Schulz iteration in another dtype (by name:
+    ``"bfloat16"`` as ``torch.optim.Muon`` does, ``"float16"``,
+    ``"float32"``, ``"float64"``; ``None``, the default, is the state's dtype);
+    the result comes back in the state's dtype. ``rtol`` is the relative cut
+    of the exact ``"svd"`` method below which singular values count as zero
+    (``None``: the default of [`polar`][fismo_core.linalg.polar]).
     """
 
     method: Literal["newton_schulz", "svd"] = "newton_schulz"
     steps: int = 5
     coefficients: Coefficients = "muon"
     eps: float = 1e-7
+    dtype: Optional[str] = None
+    rtol: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.method not in ("newton_schulz", "svd"):
@@ -57,9 +73,19 @@ class PolarConfig:
         if not (isinstance(self.coefficients, str)):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
         object.__setattr__(self, "eps", _check_real("polar eps", self.eps, 0.0, low_open=True))
+        if self.dtype is not None and self.dtype not in linalg.POLAR_DTYPE_NAMES:
+            raise ValueError(
+                f"polar dtype must be None (the state's dtype) or one of {list(linalg.POLAR_DTYPE_NAMES)}, "
+                f"got {self.dtype!r}"
+            )
+        if self.rtol is not None:
+            object.__setattr__(self, "rtol", _check_real("polar rtol", self.rtol, 0.0))
 
     def __call__(self, X: Array) -> Array:
-        return linalg.polar(X, method=self.method, steps=self.steps, coefficients=self.coefficients, eps=self.eps)
+        return linalg.polar(
+            X, method=self.method, steps=self.steps, coefficients=self.coefficients, eps=self.eps,
+            rtol=self.rtol, dtype=self.dtype,
+        )
 
 
 @dataclass(frozen=True)
@@ -177,12 +203,14 @@ class FISMOState(NamedTuple):
     P, Q:
         Left and right Kronecker factors ``P_t`` ``(..., m, m)`` and ``Q_t``
         ``(..., n, n)``; symmetric positive definite with traces ``m`` and ``n``.
+        With ``FISMO(block_size=B)`` a side longer than ``B`` is a
+        [`Blocks`][fismo_core.kronecker.Blocks] of its diagonal blocks instead.
     M:
         Momentum in the whitened space, ``M_t`` ``(..., m, n)``.
     P_inv_sqrt, Q_inv_sqrt:
-        Cached ``P_t^{-1/2}`` and ``Q_t^{-1/2}``. The next step needs
-        ``Q_t^{-1}`` in ``L_{t+1}``; it uses ``(G Q_t^{-1/2})(G Q_t^{-1/2})^T``
-        so no inverse is ever formed.
+        Cached ``P_t^{-1/2}`` and ``Q_t^{-1/2}`` (same structure as ``P``,
+        ``Q``). The next step needs ``Q_t^{-1}`` in ``L_{t+1}``; it uses
+        ``(G Q_t^{-1/2})(G Q_t^{-1/2})^T`` so no inverse is ever formed.
     step:
         Number of steps taken, ``t`` (an int; a 0-d integer array once the
         step has been traced, e.g. under ``jax.jit``). A counter for the
@@ -205,28 +233,41 @@ class FISMOState(NamedTuple):
     and [`from_dict`][fismo_core.FISMOState.from_dict].
     """
 
-    P: Array
-    Q: Array
+    P: Factor
+    Q: Factor
     M: Array
-    P_inv_sqrt: Array
-    Q_inv_sqrt: Array
+    P_inv_sqrt: Factor
+    Q_inv_sqrt: Factor
     step: int
     skipped: Any = 0
     root_failures: Any = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The state as a flat dict for a checkpoint: every field by name, plus a format number.
+        """The state as a flat dict of arrays for a checkpoint: every field by name, plus a format number.
 
         Arrays are returned as they are (same library, device and dtype, no
-        copy), ``step`` as it is (an int). ``np.savez(f, **state.to_dict())``
+        copy), ``step`` as it is (an int). A blocked factor is stored as its
+        full blocks under its name and its remainder block under
+        ``"<name>_rest"``; ``"block_size"`` records the block size of the
+        split sides (0 when no side is split). ``np.savez(f, **state.to_dict())``
         writes a NumPy state; for other libraries convert the arrays first
         (``torch.save`` takes the dict of a torch state directly).
         [`from_dict`][fismo_core.FISMOState.from_dict] reads it back.
         """
-        return {**self._asdict(), _FORMAT_KEY: _FORMAT}
+        out: dict[str, Any] = {}
+        block_size = 0
+        for name, value in self._asdict().items():
+            if isinstance(value, Blocks):
+                block_size = value.full.shape[-1]
+                out[name] = value.full
+                if value.rest is not None:
+                    out[f"{name}_rest"] = value.rest
+            else:
+                out[name] = value
+        return {**out, "block_size": block_size, _FORMAT_KEY: _FORMAT}
 
     @classmethod
-    def from_dict(cls, d: Any, like: Array) -> "FISMOState":
+    def from_dict(cls, d: Any, like: Array, *, block_size: Optional[int] = None) -> "FISMOState":
         """Rebuild a state from [`to_dict`][fismo_core.FISMOState.to_dict]'s output for parameters like ``like``.
 
         The arrays are moved to ``like``'s library and device
@@ -239,55 +280,72 @@ class FISMOState(NamedTuple):
         d:
             A mapping (a dict, or what ``np.load`` returns for an ``.npz``
             file) with the keys ``to_dict`` writes. The counters ``skipped``
-            and ``root_failures`` may be missing (they are then 0).
+            and ``root_failures`` may be missing (they are then 0), and so
+            may ``block_size`` (a state of format 1, before blocks existed).
         like:
             The parameters ``W`` ``(..., m, n)`` the state belongs to (or any
             array of that shape and dtype, on the wanted library and device).
+        block_size:
+            The ``block_size`` of the optimizer that will use the state.
 
         Raises
         ------
         KeyError
             A key is missing, or there are keys a FISMO state does not have.
         ValueError
-            A shape does not fit ``like``; malformed counters or step; an
-            unknown format.
+            The state was saved with another ``block_size`` (the message
+            names both); a shape does not fit ``like``; malformed counters or
+            step; an unknown format.
         TypeError
             A dtype that is not the state dtype of ``like``; ``d`` not a
             mapping; ``like`` not a real floating array.
         """
-        xp = _check_matrix(like, "like")
+        xp = guards.check_matrix(like, "like")
         try:
             keys = set(d.keys())
         except AttributeError:
             raise TypeError(f"d must be a mapping such as FISMOState.to_dict() returns, got {type(d).__name__}") from None
-        required = set(_ARRAY_FIELDS) | {"step"}
+        if _FORMAT_KEY in keys and int(d[_FORMAT_KEY]) not in (1, _FORMAT):
+            raise ValueError(f"unknown FISMO state format {int(d[_FORMAT_KEY])}; this version reads formats 1 and 2")
+        *batch, m, n = like.shape
+        structures = {"P": factor_structure(m, block_size), "Q": factor_structure(n, block_size)}
+        structures["P_inv_sqrt"], structures["Q_inv_sqrt"] = structures["P"], structures["Q"]
+        _check_block_size(d, keys, structures, block_size, tuple(like.shape))
+        part_keys = {name: [name] + ([f"{name}_rest"] if len(s.part_shapes()) == 2 else [])
+                     for name, s in structures.items()}
+        required = {k for ks in part_keys.values() for k in ks} | {"M", "step"}
         missing = sorted(required - keys)
         if missing:
             raise KeyError(f"not a complete FISMO state: missing {missing} (keys present: {sorted(keys)})")
-        unknown = sorted(keys - set(cls._fields) - {_FORMAT_KEY})
+        unknown = sorted(keys - required - {"skipped", "root_failures", "block_size", _FORMAT_KEY})
         if unknown:
             raise KeyError(f"not a FISMO state: unexpected keys {unknown} (a FISMO state has {list(cls._fields)})")
-        if _FORMAT_KEY in keys and int(d[_FORMAT_KEY]) != _FORMAT:
-            raise ValueError(f"unknown FISMO state format {int(d[_FORMAT_KEY])}; this version reads format {_FORMAT}")
         dev = device(like)
         dtype = state_dtype(xp, like.dtype)
-        *batch, m, n = like.shape
-        shapes = {"P": (m, m), "Q": (n, n), "M": (m, n), "P_inv_sqrt": (m, m), "Q_inv_sqrt": (n, n)}
-        fields: dict[str, Any] = {}
-        for name, tail in shapes.items():
-            x = xp.asarray(d[name], device=dev)
+
+        def read(key: str, tail: tuple[int, ...]) -> Array:
+            x = xp.asarray(d[key], device=dev)
             if tuple(x.shape) != (*batch, *tail):
                 raise ValueError(
-                    f"state.{name} has shape {tuple(x.shape)}, but parameters of shape {tuple(like.shape)} "
+                    f"state.{key} has shape {tuple(x.shape)}, but parameters of shape {tuple(like.shape)} "
                     f"need {(*batch, *tail)} (was the state saved for another parameter?)"
                 )
             if x.dtype != dtype:
                 raise TypeError(
-                    f"state.{name} has dtype {x.dtype}, but parameters of dtype {like.dtype} keep their state in "
+                    f"state.{key} has dtype {x.dtype}, but parameters of dtype {like.dtype} keep their state in "
                     f"{getattr(dtype, '__name__', dtype)}; states are not converted, so that a resumed run is "
                     "bit-identical"
                 )
-            fields[name] = x
+            return x
+
+        fields: dict[str, Any] = {}
+        for name in _ARRAY_FIELDS:
+            if name == "M":
+                fields[name] = read("M", (m, n))
+                continue
+            structure = structures[name]
+            parts = tuple(read(key, shape) for key, shape in zip(part_keys[name], structure.part_shapes()))
+            fields[name] = structure.from_parts(parts)
         for name in ("skipped", "root_failures"):
             if name not in keys:
                 fields[name] = xp.zeros(tuple(batch), dtype=xp.int32, device=dev)
@@ -305,25 +363,50 @@ class FISMOState(NamedTuple):
         return cls(step=int(step), **fields)
 
 
+_FACTOR_FIELDS = ("P", "Q", "P_inv_sqrt", "Q_inv_sqrt")
 _ARRAY_FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
 _FORMAT_KEY = "fismo_state_format"
-_FORMAT = 1
+_FORMAT = 2
 
 
-class InverseRootWarning(RuntimeWarning):
-    """An inverse root failed and the previous ``P`` or ``Q`` (and its root) was kept for this step."""
+def _check_block_size(d: Any, keys: set, structures: dict, block_size: Optional[int], shape: tuple) -> None:
+    """A state saved with another ``block_size`` is refused, naming both values."""
+    saved = int(d["block_size"]) if "block_size" in keys else 0
+    split = sorted({s.B for s in structures.values() if isinstance(s, BlockDiagonalFactor)})
+    expected = split[0] if split else 0
+    if saved != expected:
+        def say(b: int) -> str:
+            return f"block_size={b}" if b else "no side split into blocks (block_size=None, or >= both sides)"
+        raise ValueError(
+            f"the state was saved with {say(saved)}, but this optimizer has block_size={block_size!r}, which for "
+            f"parameters of shape {shape} means {say(expected)}: a state cannot change its blocks; load it with "
+            f"block_size={saved if saved else None}, or start a new state"
+        )
 
 
-class InverseRootError(FloatingPointError):
-    """An inverse root failed on more than ``max_failures`` consecutive steps.
+class StepLines(NamedTuple):
+    """Every quantity of Algorithm 1 at one step, in the paper's order (`FISMO.step_lines`).
 
-    ``indices`` lists the failing matrices as flat indices into the batch
-    (``[0]`` for a single matrix). Raised before the state changes.
+    Factors are as stored in the state (arrays, or
+    [`Blocks`][fismo_core.kronecker.Blocks] for a blocked side).
     """
 
-    def __init__(self, message: str, indices: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.indices = tuple(indices)
+    P: Factor
+    """Line 4: ``P_t``."""
+    Q: Factor
+    """Line 5: ``Q_t``."""
+    P_inv_sqrt: Factor
+    """``P_t^{-1/2}``."""
+    Q_inv_sqrt: Factor
+    """``Q_t^{-1/2}``."""
+    G_white: Array
+    """Line 6: ``G~_t = P_t^{-1/2} G_t Q_t^{-1/2}``."""
+    M: Array
+    """Line 7: ``M_t``."""
+    direction: Array
+    """Line 8: ``dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2}``."""
+    W: Array
+    """Line 9: ``W_t``."""
 
 
 def _as_config(value: Any, config_type: type, name: str) -> Any:
@@ -405,6 +488,20 @@ class FISMO:
         ``L_t`` has trace ``m`` when ``Q_{t-1} = I`` whatever ``sigma``, and
         ``P_t``, ``Q_t`` are exactly invariant to ``G_t -> c G_t``. Lines 6–9
         use ``G_t`` unchanged. Both coincide when ``rms(G_t) = 1``.
+    block_size:
+        ``None`` (default): full ``m x m`` and ``n x n`` factors, the printed
+        algorithm. A positive integer ``B``: each side longer than ``B`` keeps
+        only the diagonal blocks of ``P`` and ``Q``, contiguous blocks of size
+        ``B`` with the last one holding the remainder; lines 4 and 5 keep
+        only the diagonal blocks of their data terms, damping, EMA,
+        symmetrisation and trace normalisation act on the whole
+        block-diagonal factor (``tr P_t = m`` over all blocks), and lines
+        6–8 use the block-diagonal roots with the polar factor of the whole
+        ``M_t``. Nothing ``m x m`` or ``n x n`` is formed: the statistics cost
+        ``O(m n B)`` and the state at most ``m n + 2 (m + n) B`` elements. A
+        side of size ``<= B`` is one block, the full factor, so
+        ``B >= max(m, n)`` is the printed algorithm bit for bit. Every other
+        option works with blocks. See the page "Scaling up".
     """
 
     lr: float = 0.02
@@ -417,6 +514,7 @@ class FISMO:
     nesterov: bool = False
     nonfinite: Literal["raise", "skip", "propagate"] = "raise"
     statistics: Literal["printed", "scale_invariant"] = "printed"
+    block_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -431,6 +529,15 @@ class FISMO:
             raise ValueError(f"nonfinite must be 'raise', 'skip' or 'propagate', got {self.nonfinite!r}")
         if self.statistics not in ("printed", "scale_invariant"):
             raise ValueError(f"statistics must be 'printed' or 'scale_invariant', got {self.statistics!r}")
+        if self.block_size is not None and (
+            isinstance(self.block_size, bool) or not isinstance(self.block_size, numbers.Integral) or self.block_size < 1
+        ):
+            raise ValueError(
+                f"block_size must be None (full factors, the printed algorithm) or a positive integer, "
+                f"got {self.block_size!r}"
+            )
+        if self.block_size is not None:
+            set_(self, "block_size", int(self.block_size))
         set_(self, "polar", _as_config(self.polar, PolarConfig, "polar"))
         set_(self, "inv_root", _as_config(self.inv_root, InverseRootConfig, "inv_root"))
 
@@ -440,21 +547,67 @@ class FISMO:
 
         The state's dtype is ``W``'s if it is float32 or wider, float32 otherwise
         (statistics of bf16/fp16 parameters are kept in float32); its device
-        and namespace are ``W``'s.
+        and namespace are ``W``'s. With ``block_size``, a side longer than it
+        keeps only its diagonal blocks (identity blocks here).
         """
-        xp = _check_matrix(W, "W")
+        xp = guards.check_matrix(W, "W")
         dtype = state_dtype(xp, W.dtype)
         *batch, m, n = W.shape
         dev = device(W)
-        P = xp.zeros((*batch, m, m), dtype=dtype, device=dev) + xp.eye(m, dtype=dtype, device=dev)
-        Q = xp.zeros((*batch, n, n), dtype=dtype, device=dev) + xp.eye(n, dtype=dtype, device=dev)
-        M = xp.zeros((*batch, m, n), dtype=dtype, device=dev)
+        left, right = self.structures(m, n)
+        P = left.identity(xp, tuple(batch), dtype, dev)
+        Q = right.identity(xp, tuple(batch), dtype, dev)
         # The roots are separate arrays (equal to P and Q), so in-place adapters never alias them.
         return FISMOState(
-            P=P, Q=Q, M=M, P_inv_sqrt=xp.asarray(P, copy=True), Q_inv_sqrt=xp.asarray(Q, copy=True), step=0,
+            P=P, Q=Q, M=xp.zeros((*batch, m, n), dtype=dtype, device=dev),
+            P_inv_sqrt=left.identity(xp, tuple(batch), dtype, dev),
+            Q_inv_sqrt=right.identity(xp, tuple(batch), dtype, dev), step=0,
             skipped=xp.zeros(tuple(batch), dtype=xp.int32, device=dev),
             root_failures=xp.zeros(tuple(batch), dtype=xp.int32, device=dev),
         )
+
+    def structures(self, m: int, n: int) -> tuple[Structure, Structure]:
+        """The structures of ``P`` (``m x m``) and ``Q`` (``n x n``): full, or block-diagonal (``block_size``)."""
+        return factor_structure(m, self.block_size), factor_structure(n, self.block_size)
+
+    # ------------------------------------------------------------- Algorithm 1
+    def _algorithm_1(
+        self, G: Array, scale: Any, inv_s2: Any, state: FISMOState, left: Structure, right: Structure,
+        roots: "_Roots",
+    ) -> tuple[Factor, Factor, Factor, Factor, Array, Array, Array]:
+        """Lines 4–8 of Algorithm 1 for ``G = G_t / scale``; returns ``P_t, Q_t``, their roots, ``G~_t / scale``, ``M_t``, ``dW_t``.
+
+        ``left`` and ``right`` are the structures of ``P`` and ``Q``;
+        ``roots`` computes (or, between refreshes, keeps) an inverse root with
+        its fault handling. ``scale`` and ``inv_s2`` come from
+        `fismo_core.guards.statistics_scale`: lines 4–5 are invariant to the
+        scale of ``G``, lines 6–7 multiply it back.
+        """
+        beta, gamma, mu = self.beta, self.gamma, self.mu
+        xp = array_namespace(G)
+        m, n = G.shape[-2], G.shape[-1]
+        P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
+        if gamma == 1.0:  # P~_t = P_{t-1}: lines 4-5 return P_{t-1}, Q_{t-1} and their roots unchanged
+            G_Q_is, P_is_G = None, left.left(P_is, G)
+        else:
+            # Line 4: L_t = G Q_{t-1}^{-1} G^T / n + mu tr(P_{t-1})/m I,  P~_t = gamma P_{t-1} + (1 - gamma) L_t,
+            #         P_t = sym(m P~_t / tr P~_t); the data term is the Gram matrix of G Q_{t-1}^{-1/2}.
+            G_Q_is = right.right(G, Q_is)
+            P, P_is = roots(left, left.update(P, G_Q_is, n, gamma, mu, inv_s2), P, P_is, "P")
+            # Line 5: R_t = G^T P_t^{-1} G / m + mu tr(Q_{t-1})/n I, likewise with (P_t^{-1/2} G)^T.
+            P_is_G = left.left(P_is, G)
+            Q, Q_is = roots(right, right.update(Q, xp.matrix_transpose(P_is_G), m, gamma, mu, inv_s2), Q, Q_is, "Q")
+        # Line 6: G~_t = P_t^{-1/2} G_t Q_t^{-1/2}, reusing line 5's P_t^{-1/2} G.
+        if G_Q_is is not None and not roots.refresh and m < n:
+            G_white = left.left(P_is, G_Q_is)  # cached roots: line 4's G Q^{-1/2} is it (m^2 n, not m n^2)
+        else:
+            G_white = right.right(P_is_G, Q_is)
+        # Line 7: M_t = beta M_{t-1} + (1 - beta) G~_t.
+        M = beta * state.M + (1 - beta) * scale * G_white
+        # Line 8: dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2} (Nesterov: Polar(beta M_t + (1 - beta) G~_t)).
+        momentum = beta * M + (1 - beta) * scale * G_white if self.nesterov else M
+        direction = right.right(left.left(P_is, self.polar(momentum)), Q_is)
+        return P, Q, P_is, Q_is, G_white, M, direction
 
     # ------------------------------------------------------------- direction
     def direction(
@@ -473,95 +626,42 @@ class FISMO:
         ``None`` (default) decides from ``state.step``, which must then be
         concrete unless ``every == 1``.
         """
-        xp = _check_call(G, state)
-        refresh = self._refresh_roots(state, refresh_roots)
+        xp = _check_call(G, state, self.block_size)
         if self.nonfinite == "raise":
-            _check_finite(xp, G)
+            guards.check_finite(xp, G)
+        direction, new_state, _ = self._guarded_step(xp, G, state, refresh_roots)
+        return direction, new_state
+
+    def _guarded_step(
+        self, xp: Any, G: Array, state: FISMOState, refresh_roots: Optional[bool]
+    ) -> tuple[Array, FISMOState, tuple[Array, Any]]:
+        """`_algorithm_1` inside the guards: statistics scale, non-finite policy, root faults, counters.
+
+        Returns ``dW_t``, the new state and ``(G~_t / scale, scale)``, which
+        only `step_lines` multiplies out.
+        """
+        refresh = self._refresh_roots(state, refresh_roots)
         # A copy in the standard layout: BLAS may round a product with a transposed or strided
         # operand differently, and the result must not depend on how G is laid out in memory.
         G = xp.reshape(xp.astype(G, state.M.dtype, copy=False), G.shape, copy=True)
         if self.nonfinite == "skip":
-            # Per matrix and sync-free: a matrix whose G_t is not finite is computed with
-            # G_t = 0 (so no NaN reaches eigh) and restored to its old state at the end.
-            skip = ~xp.all(xp.isfinite(G), axis=(-2, -1))
-            G = xp.where(skip[..., None, None], xp.zeros_like(G), G)
-        m, n = G.shape[-2], G.shape[-1]
-        P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
-        P_failed = Q_failed = None
-        G_white_s = None
+            skip, G = guards.skip_mask(xp, G)
         if self.gamma == 1.0:
-            # P~_t = P_{t-1}, whose trace is m: lines 4-5 return P_{t-1} and
-            # Q_{t-1} unchanged, and so do their cached roots.
-            scale, P_is_G_s = 1.0, P_is @ G
+            G_s, scale, inv_s2 = G, 1.0, 1.0
         else:
-            # Lines 4-5 work on G_s = G / scale, one positive scale per matrix (..., 1, 1):
-            # scale = s for the printed statistics, rms(G) s for "scale_invariant", where s is a
-            # power of two (1 unless max|G / rms| >= 2). The Gram products of G_s cannot overflow,
-            # and the EMA takes P_{t-1} / s^2 (Q_{t-1} / s^2), which trace normalisation maps to
-            # the same P_t; bit for bit the unscaled result unless that overflows
-            # (docs/guarantees.md). Lines 6-7 multiply the scale back into a coefficient.
-            if self.statistics == "scale_invariant":  # G / rms(G), per matrix; a zero G stays zero
-                # rms on G / 2^k so the sum of squares cannot overflow; the power of two cancels exactly.
-                pow2 = linalg._pow2_scale(G)
-                rms = xp.sqrt(xp.sum((G / pow2) ** 2, axis=(-2, -1), keepdims=True) / (m * n))
-                stat_scale = pow2 * xp.where(rms > 0, rms, xp.ones_like(rms))
-                G_stat = G / stat_scale
-            else:
-                stat_scale, G_stat = 1.0, G
-            s = linalg._pow2_scale(G_stat)
-            G_s, scale, inv_s2 = G_stat / s, stat_scale * s, 1 / s / s
-            # Line 4: L_t = G Q_{t-1}^{-1} G^T / n + mu tr(P_{t-1})/m I_m, P_t from L_t.
-            G_Q_is = G_s @ Q_is
-            P_new = self._updated_preconditioner(xp, P, G_Q_is @ xp.matrix_transpose(G_Q_is), n, inv_s2)
-            if refresh:
-                P_new, P_is, P_failed = self._inverse_root(xp, P_new, P, P_is, "P")
-            # Line 5: R_t = G^T P_t^{-1} G / m + mu tr(Q_{t-1})/n I_n, Q_t from R_t.
-            P_is_G_s = P_is @ G_s
-            Q_new = self._updated_preconditioner(xp, Q, xp.matrix_transpose(P_is_G_s) @ P_is_G_s, m, inv_s2)
-            if refresh:
-                Q_new, Q_is, Q_failed = self._inverse_root(xp, Q_new, Q, Q_is, "Q")
-            elif m < n:
-                # Cached roots: line 4's G_s Q^{-1/2} has the root line 6 needs, and
-                # P^{-1/2} (G_s Q^{-1/2}) costs m^2 n where (P^{-1/2} G_s) Q^{-1/2} costs m n^2.
-                G_white_s = P_is @ G_Q_is
-            P, Q = P_new, Q_new
-        # Line 6: G~_t = P_t^{-1/2} G_t Q_t^{-1/2} = scale (P_t^{-1/2} G_s) Q_t^{-1/2}, reusing line 5's product.
-        if G_white_s is None:
-            G_white_s = P_is_G_s @ Q_is
-        # Line 7: M_t = beta M_{t-1} + (1 - beta) G~_t.
-        G_white_coef = (1 - self.beta) * scale
-        M = self.beta * state.M + G_white_coef * G_white_s
-        # Line 8: dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2}.
-        momentum = self.beta * M + G_white_coef * G_white_s if self.nesterov else M
-        direction = linalg.whiten(self.polar(momentum), P_is, Q_is)
+            G_s, scale, inv_s2 = guards.statistics_scale(xp, G, self.statistics)
+        left, right = self.structures(G.shape[-2], G.shape[-1])
+        roots = _Roots(self, xp, refresh, G.ndim - 2)
+        P, Q, P_is, Q_is, G_white, M, direction = self._algorithm_1(G_s, scale, inv_s2, state, left, right, roots)
         new_state = FISMOState(
-            P=P, Q=Q, M=M, P_inv_sqrt=P_is, Q_inv_sqrt=Q_is, step=state.step + 1,
-            skipped=state.skipped, root_failures=self._root_failures(xp, state, P_failed, Q_failed),
+            P=P, Q=Q, M=M, P_inv_sqrt=P_is, Q_inv_sqrt=Q_is, step=state.step + 1, skipped=state.skipped,
+            root_failures=guards.root_failure_counts(
+                xp, self.inv_root, state, roots.failed.get("P"), roots.failed.get("Q")
+            ),
         )
         if self.nonfinite == "skip":
-            direction, new_state = _restore_skipped(xp, skip, direction, state, new_state)
-        return direction, new_state
-
-    def _updated_preconditioner(self, xp: Any, A: Array, gram: Array, divisor: int, inv_s2: Array) -> Array:
-        """``P_t`` from ``P_{t-1}`` (lines 4, and 5 for ``Q_t``), in one linear combination.
-
-        ``gram`` is the data part of ``L_t`` times ``divisor / s^2``
-        (``G_s Q_{t-1}^{-1} G_s^T``, ``G_s = G_t / s``), so with
-        ``a = gamma / s^2``, ``b = (1 - gamma) / divisor`` and
-        ``c = (1 - gamma) mu tr(P_{t-1}) / (d s^2)``, ``P~_t / s^2 = a P_{t-1} +
-        b gram + c I``. Its trace is ``a tr(P_{t-1}) + b tr(gram) + c d``, and
-        with ``k = d / tr``, ``P_t = sym(k P~_t / s^2) = k a P_{t-1} +
-        (k b / 2) (gram + gram^T) + k c I``: ``P_{t-1}`` is exactly symmetric,
-        and so is the result.
-        """
-        d = A.shape[-1]
-        trace_prev = xp.linalg.trace(A)[..., None, None]
-        a = self.gamma * inv_s2
-        b = (1 - self.gamma) / divisor
-        c = (1 - self.gamma) * self.mu * trace_prev / d * inv_s2
-        k = d / (a * trace_prev + b * xp.linalg.trace(gram)[..., None, None] + c * d)
-        eye = xp.eye(d, dtype=A.dtype, device=device(A))
-        return (k * a) * A + (k * (b / 2)) * (gram + xp.matrix_transpose(gram)) + (k * c) * eye
+            direction, new_state = guards.restore_skipped(xp, skip, direction, state, new_state, _ARRAY_FIELDS)
+        return direction, new_state, (G_white, scale)
 
     def _refresh_roots(self, state: FISMOState, refresh_roots: Optional[bool]) -> bool:
         """Whether this step recomputes ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (`InverseRootConfig.every`)."""
@@ -581,100 +681,74 @@ class FISMO:
                 "e.g. under jax.lax.cond (fismo_core.backends.optax does this)"
             ) from None
 
-    # ------------------------------------------------------- fault handling
-    def _inverse_root(self, xp: Any, A: Array, A_prev: Array, root_prev: Array, name: str) -> tuple[Array, Array, Any]:
-        """``A^{-1/2}`` of ``A = P_t`` (or ``Q_t``) with the fault handling of `InverseRootConfig`.
-
-        Returns ``(A_t, A_t^{-1/2}, failed)``. ``failed`` is ``None`` when
-        nothing was checked (checks off, or traced), ``False`` when every
-        root passed, and otherwise a boolean array of the batch shape: those
-        matrices keep ``A_prev`` and ``root_prev``.
-        """
-        config = self.inv_root
-        if not _checks_roots(config, self.nonfinite):
-            return A, config(A), None
-        root, ok = _checked_root(xp, config, A)
-        try:
-            if bool(xp.all(ok)):
-                return A, root, False
-        except TypeError:  # traced (jax.errors.ConcretizationTypeError): nothing can be read, no check
-            return A, root, None
-        if not (A.dtype == xp.float64 and config.method == "eigh"):
-            A64 = _as_float64(xp, A)
-            if A64 is not None:  # the retry: eigh in float64, checked in float64
-                root64, ok64 = _checked_root(xp, _EIGH, A64, config.tolerance)
-                root = xp.where((ok64 & ~ok)[..., None, None], xp.astype(root64, A.dtype), root)
-                ok = ok | ok64
-        failed = ~ok
-        count = int(xp.sum(xp.astype(failed, xp.int32)))
-        if count == 0:
-            return A, root, False
-        total = math.prod(failed.shape)
-        warnings.warn(
-            f"FISMO: the inverse square root of {name}_t failed for {count} of {total} matrices (a LinAlgError, "
-            f"a non-finite result or ||Z {name}_t Z - I||_F > {config.tolerance}, also with eigh in float64); "
-            f"they keep {name}_(t-1) and its cached root for this step. state.root_failures counts consecutive "
-            f"failures; more than InverseRootConfig.max_failures = {config.max_failures} raise InverseRootError",
-            InverseRootWarning,
-            stacklevel=4,
-        )
-        keep = failed[..., None, None]
-        return xp.where(keep, A_prev, A), xp.where(keep, root_prev, root), failed
-
-    def _root_failures(self, xp: Any, state: FISMOState, P_failed: Any, Q_failed: Any) -> Any:
-        """The new ``root_failures`` counters; `InverseRootError` when one exceeds ``max_failures``."""
-        if P_failed is None and Q_failed is None:
-            return state.root_failures  # unchecked: passed through
-        batch = tuple(state.M.shape[:-2])
-        failed = [(name, f) for name, f in (("P", P_failed), ("Q", Q_failed)) if f is not None and f is not False]
-        if not failed:
-            return xp.zeros(batch, dtype=xp.int32, device=device(state.M))
-        any_failed = failed[0][1] if len(failed) == 1 else failed[0][1] | failed[1][1]
-        previous = _counter(xp, state.root_failures, batch, device(state.M))
-        counts = xp.where(any_failed, previous + 1, xp.zeros_like(previous))
-        over = xp.reshape(counts > self.inv_root.max_failures, (-1,))
-        if bool(xp.any(over)):
-            indices = tuple(i for i in range(over.shape[0]) if bool(over[i]))
-            which = " and ".join(name for name, _ in failed)
-            raise InverseRootError(
-                f"FISMO: the inverse square root of {which}_t failed on more than max_failures = "
-                f"{self.inv_root.max_failures} consecutive steps (matrices {list(indices)} of the batch, flat "
-                f"indices), also with eigh in float64; the step was not taken and the state passed in is "
-                f"unchanged. The preconditioner is too ill-conditioned for {state.M.dtype}: Algorithm 1 is not "
-                f"scale invariant, and for gradient entries of size sigma P and Q can reach condition numbers "
-                f"of about m sigma^2 / mu. Remedies: a larger mu, a smaller gradient scale, float64, or "
-                f"statistics='scale_invariant' (see docs/guarantees.md)",
-                indices,
-            )
-        return counts
-
     # ------------------------------------------------------------------ step
     def step(self, W: Array, G: Array, state: FISMOState) -> tuple[Array, FISMOState]:
         """One full iteration: line 9, ``W_t = W_{t-1} - lr dW_t`` (after decoupled weight decay).
 
-        Returns the new parameters (``W``'s dtype) and the new state.
+        Returns the new parameters (``W``'s dtype) and the new state. With
+        ``nonfinite="raise"`` a NaN or infinity in ``W`` or ``G`` is a
+        ``ValueError`` before anything changes.
         """
-        xp = _check_matrix(W, "W")
-        _check_matrix(G, "G")
+        W_new, new_state, _ = self._step(W, G, state, lines=False)
+        return W_new, new_state
+
+    def step_lines(self, W: Array, G: Array, state: FISMOState) -> tuple[Array, FISMOState, StepLines]:
+        """`step`, also returning every quantity of Algorithm 1 at this step (a `StepLines`).
+
+        The arithmetic is that of `step`; the extra output costs one scaling
+        of ``G~_t``. Used by ``fismo verify`` to say at which line two
+        backends part.
+        """
+        return self._step(W, G, state, lines=True)
+
+    def _step(self, W: Array, G: Array, state: FISMOState, lines: bool) -> tuple[Array, FISMOState, Any]:
+        xp = guards.check_matrix(W, "W")
+        guards.check_matrix(G, "G")
         if tuple(W.shape) != tuple(G.shape):
             raise ValueError(f"W and G must have the same shape, got W {tuple(W.shape)} and G {tuple(G.shape)}")
         _check_same_namespace_and_device(W, G)
-        _check_call(G, state)
+        _check_call(G, state, self.block_size)
         if state.M.dtype != state_dtype(xp, W.dtype):
             raise TypeError(
                 f"state dtype {state.M.dtype} does not match W of dtype {W.dtype}: FISMO.init(W) "
                 f"would give {state_dtype(xp, W.dtype)} (was the state built for another parameter?)"
             )
-        direction, new_state = self.direction(G, state)
+        if self.nonfinite == "raise":
+            guards.check_finite(xp, G, W=W)
+        direction, new_state, (G_white, scale) = self._guarded_step(xp, G, state, None)
+        # Line 9: W_t = W_{t-1} - eta dW_t.
         W_decayed = W * (1 - self.lr * self.weight_decay) if self.weight_decay else W
         W_new = W_decayed - self.lr * xp.astype(direction, W.dtype, copy=False)
         if self.nonfinite == "skip":  # a skipped matrix keeps W_{t-1} exactly: no weight decay either
             skipped_now = (new_state.skipped - state.skipped) > 0
             W_new = xp.where(skipped_now[..., None, None], W, W_new)
-        return W_new, new_state
+        if not lines:
+            return W_new, new_state, None
+        s = new_state
+        return W_new, new_state, StepLines(s.P, s.Q, s.P_inv_sqrt, s.Q_inv_sqrt, scale * G_white, s.M, direction, W_new)
 
 
-# ------------------------------------------------------------------ checks
+class _Roots:
+    """The inverse roots of one step: computed with fault handling when ``refresh``, else the cached ones kept."""
+
+    def __init__(self, optimizer: FISMO, xp: Any, refresh: bool, batch_ndim: int) -> None:
+        self.optimizer, self.xp, self.refresh, self.batch_ndim = optimizer, xp, refresh, batch_ndim
+        self.failed: dict[str, Any] = {}
+
+    def __call__(self, structure: Structure, A: Factor, A_prev: Factor, root_prev: Factor, name: str) -> tuple:
+        """``(A_t, A_t^{-1/2})``; a matrix whose root fails keeps ``A_prev`` and ``root_prev``."""
+        if not self.refresh:
+            return A, root_prev
+        opt = self.optimizer
+        A, root, self.failed[name] = guards.guarded_inverse_sqrt(
+            self.xp, structure, opt.inv_root, opt.nonfinite, A, A_prev, root_prev, name, self.batch_ndim, _EIGH
+        )
+        return A, root
+
+
+_EIGH = InverseRootConfig(method="eigh")
+
+
 def state_dtype(xp: Any, dtype: Any) -> Any:
     """The dtype of FISMO's state for parameters of ``dtype`` in namespace ``xp``.
 
@@ -685,136 +759,32 @@ def state_dtype(xp: Any, dtype: Any) -> Any:
     return xp.float64 if dtype == xp.float64 else xp.float32
 
 
-def _check_matrix(X: Array, name: str) -> Any:
-    try:
-        xp = array_namespace(X)
-    except TypeError as exc:
-        raise TypeError(f"{name} must be an array of an array-API-compatible library, got {type(X).__name__}") from exc
-    if X.ndim < 2:
-        raise ValueError(
-            f"{name} must be a matrix or a stack of matrices (..., m, n), got shape {tuple(X.shape)}; "
-            "vectors and scalars (biases, norms) need another optimizer such as AdamW"
-        )
-    if not xp.isdtype(X.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype, got {X.dtype}")
-    return xp
-
-
-def _check_finite(xp: Any, G: Array) -> None:
-    """Raise before any state changes if ``G`` has a NaN or an infinity.
-
-    This reads one boolean back from the device (one synchronisation per
-    step). Inside a traced function (``jax.jit``) no value can be read; the
-    check is then left out, and non-finite values propagate.
-    """
-    all_finite = xp.all(xp.isfinite(G))
-    try:
-        ok = bool(all_finite)
-    except TypeError:  # a traced value (jax.errors.ConcretizationTypeError is a TypeError)
-        return
-    if not ok:
-        nan = int(xp.sum(xp.astype(xp.isnan(G), xp.int32)))
-        inf = int(xp.sum(xp.astype(xp.isinf(G), xp.int32)))
-        raise ValueError(
-            f"G contains NaN or infinite values ({nan} NaN, {inf} infinite of {math.prod(G.shape)} entries); "
-            "the step was not taken and the state is unchanged (check the loss and the gradient computation, "
-            "or use FISMO(nonfinite='skip') to skip such steps)"
-        )
-
-
-# ----------------------------------------------------------- fault handling
-_EIGH = InverseRootConfig(method="eigh")
-
-
-def _checks_roots(config: InverseRootConfig, nonfinite: str) -> bool:
-    """Whether inverse roots are checked: ``config.fallback``, or by default unless ``nonfinite="propagate"``."""
-    return config.fallback if config.fallback is not None else nonfinite != "propagate"
-
-
-def _is_linalg_error(exc: BaseException) -> bool:
-    """A library's "the factorisation failed" error: NumPy/CuPy ``LinAlgError``, torch ``_LinAlgError``."""
-    return any(cls.__name__.endswith("LinAlgError") for cls in type(exc).__mro__)
-
-
-def _checked_root(xp: Any, config: InverseRootConfig, A: Array, tolerance: Optional[float] = None) -> tuple[Array, Array]:
-    """``Z = A^{-1/2}`` by ``config`` and, per matrix, whether ``||Z A Z - I||_F <= tolerance``.
-
-    A ``LinAlgError`` of the batched call is retried matrix by matrix, so only
-    the matrices that fail are marked (their ``Z`` is NaN). NaN residuals fail.
-    """
-    tolerance = config.tolerance if tolerance is None else tolerance
-    try:
-        Z = config(A)
-    except Exception as exc:
-        if not _is_linalg_error(exc):
-            raise
-        d = A.shape[-1]
-        flat = xp.reshape(A, (-1, d, d))
-        roots = []
-        for i in range(flat.shape[0]):
-            try:
-                roots.append(config(flat[i, ...]))
-            except Exception as exc_i:
-                if not _is_linalg_error(exc_i):
-                    raise
-                roots.append(xp.full((d, d), math.nan, dtype=A.dtype, device=device(A)))
-        Z = xp.reshape(xp.stack(roots), A.shape)
-    eye = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
-    residual = xp.linalg.matrix_norm(Z @ A @ Z - eye)
-    return Z, residual <= tolerance
-
-
-def _as_float64(xp: Any, A: Array) -> Optional[Array]:
-    """``A`` in float64, or ``None`` where the device has no float64 (array-api-strict's ``no_float64``, MPS)."""
-    try:
-        A64 = xp.astype(A, xp.float64)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-    return A64 if A64.dtype == xp.float64 else None
-
-
-def _counter(xp: Any, value: Any, shape: tuple[int, ...], dev: Any) -> Array:
-    """A counter field as an int32 array of the batch ``shape`` (states built by hand may hold a Python int)."""
-    if isinstance(value, numbers.Integral):
-        return xp.full(shape, int(value), dtype=xp.int32, device=dev)
-    return value
-
-
-def _restore_skipped(
-    xp: Any, skip: Array, direction: Array, state: FISMOState, new: FISMOState
-) -> tuple[Array, FISMOState]:
-    """``nonfinite="skip"``: matrices flagged in ``skip`` get direction 0 and their old state, and are counted."""
-    keep = skip[..., None, None]
-    batch, dev = tuple(skip.shape), device(direction)
-    arrays = {name: xp.where(keep, getattr(state, name), getattr(new, name)) for name in _ARRAY_FIELDS}
-    failures = _counter(xp, new.root_failures, batch, dev)
-    return xp.where(keep, xp.zeros_like(direction), direction), new._replace(
-        **arrays,
-        # asarray: NumPy returns a scalar, not a 0-d array, for the sum of two 0-d arrays.
-        skipped=xp.asarray(_counter(xp, state.skipped, batch, dev) + xp.astype(skip, xp.int32)),
-        root_failures=xp.where(skip, _counter(xp, state.root_failures, batch, dev), failures),
-    )
-
-
-def _check_call(G: Array, state: FISMOState) -> Any:
-    _check_matrix(G, "G")
+def _check_call(G: Array, state: FISMOState, block_size: Optional[int]) -> Any:
+    """The namespace of ``G``; a clear error unless ``state`` is a FISMO state that fits ``G`` and ``block_size``."""
+    guards.check_matrix(G, "G")
     if not isinstance(state, FISMOState):
         raise TypeError(f"state must be a FISMOState from FISMO.init, got {type(state).__name__}")
-    xp = _check_same_namespace_and_device(G, state.P, state.Q, state.M, state.P_inv_sqrt, state.Q_inv_sqrt)
+    arrays = [state.M] + [p for name in _FACTOR_FIELDS for p in _parts(getattr(state, name))]
+    xp = _check_same_namespace_and_device(G, *arrays)
     *batch, m, n = G.shape
-    expected = {
-        "P": (*batch, m, m),
-        "Q": (*batch, n, n),
-        "M": (*batch, m, n),
-        "P_inv_sqrt": (*batch, m, m),
-        "Q_inv_sqrt": (*batch, n, n),
-    }
-    for name, shape in expected.items():
-        got = tuple(getattr(state, name).shape)
-        if got != shape:
+    expected = {"P": m, "Q": n, "P_inv_sqrt": m, "Q_inv_sqrt": n}
+    got_M = tuple(state.M.shape)
+    if got_M != (*batch, m, n):
+        raise ValueError(
+            f"state does not match the gradient: G has shape {tuple(G.shape)}, so state.M should have shape "
+            f"{(*batch, m, n)}, got {got_M} (was the state built for another parameter?)"
+        )
+    for name, d in expected.items():
+        value = getattr(state, name)
+        got = tuple(tuple(p.shape) for p in _parts(value))
+        shapes = tuple((*batch, *s) for s in factor_structure(d, block_size).part_shapes())
+        if got != shapes:
+            want = shapes[0] if len(shapes) == 1 else shapes
+            have = got[0] if len(got) == 1 else got
             raise ValueError(
                 f"state does not match the gradient: G has shape {tuple(G.shape)}, so state.{name} "
-                f"should have shape {shape}, got {got} (was the state built for another parameter?)"
+                f"should have shape {want}, got {have} (was the state built for another parameter or "
+                f"another block_size?)"
             )
     for name in ("skipped", "root_failures"):
         counter = getattr(state, name)
@@ -824,3 +794,7 @@ def _check_call(G: Array, state: FISMOState) -> Any:
                 f"got {tuple(counter.shape)} (was the state built for another parameter?)"
             )
     return xp
+
+
+def _parts(factor: Factor) -> tuple[Array, ...]:
+    return tuple(p for p in factor if p is not None) if isinstance(factor, Blocks) else (factor,)

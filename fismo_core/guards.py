@@ -1,0 +1,294 @@
+"""Robustness machinery around Algorithm 1, kept out of the algorithm itself.
+
+Everything here guards the step without changing what it computes on good
+input: argument checks, the non-finite gradient policies (``raise``,
+``skip``, ``propagate``), the overflow-safe scaling of the statistics (and
+the ``scale_invariant`` variant), and the fault handling of the inverse
+roots (check, float64 retry, fallback to the previous factor, counters).
+See the documentation page "Guarantees".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any, Optional
+
+from array_api_compat import array_namespace, device
+
+from . import linalg
+from .kronecker import Structure
+from .linalg import Array
+
+__all__ = ["InverseRootError", "InverseRootWarning"]
+
+
+class InverseRootWarning(RuntimeWarning):
+    """An inverse root failed and the previous ``P`` or ``Q`` (and its root) was kept for this step."""
+
+
+class InverseRootError(FloatingPointError):
+    """An inverse root failed on more than ``max_failures`` consecutive steps.
+
+    ``indices`` lists the failing matrices as flat indices into the batch
+    (``[0]`` for a single matrix). Raised before the state changes.
+    """
+
+    def __init__(self, message: str, indices: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.indices = tuple(indices)
+
+
+# ------------------------------------------------------------------ arguments
+def check_matrix(X: Array, name: str) -> Any:
+    """The namespace of ``X``; a clear error unless it is a real floating stack of matrices ``(..., m, n)``."""
+    try:
+        xp = array_namespace(X)
+    except TypeError as exc:
+        raise TypeError(f"{name} must be an array of an array-API-compatible library, got {type(X).__name__}") from exc
+    if X.ndim < 2:
+        raise ValueError(
+            f"{name} must be a matrix or a stack of matrices (..., m, n), got shape {tuple(X.shape)}; "
+            "vectors and scalars (biases, norms) need another optimizer such as AdamW"
+        )
+    if not xp.isdtype(X.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype, got {X.dtype}")
+    return xp
+
+
+def check_finite(xp: Any, G: Array, W: Optional[Array] = None) -> None:
+    """Raise before any state changes if ``G`` (or ``W``, when given) has a NaN or an infinity.
+
+    This reads one boolean back from the device (one synchronisation per
+    call, for both arrays). Inside a traced function (``jax.jit``) no value
+    can be read; the check is then left out, and non-finite values propagate.
+    """
+    all_finite = xp.all(xp.isfinite(G))
+    if W is not None:
+        all_finite = all_finite & xp.all(xp.isfinite(W))
+    try:
+        ok = bool(all_finite)
+    except TypeError:  # a traced value (jax.errors.ConcretizationTypeError is a TypeError)
+        return
+    if ok:
+        return
+    for X, name in ((G, "G"), (W, "W")):
+        if X is None or bool(xp.all(xp.isfinite(X))):
+            continue
+        nan = int(xp.sum(xp.astype(xp.isnan(X), xp.int32)))
+        inf = int(xp.sum(xp.astype(xp.isinf(X), xp.int32)))
+        counts = f"{nan} NaN, {inf} infinite of {math.prod(X.shape)} entries"
+        if name == "G":
+            raise ValueError(
+                f"G contains NaN or infinite values ({counts}); the step was not taken and the state is unchanged "
+                "(check the loss and the gradient computation, or use FISMO(nonfinite='skip') to skip such steps)"
+            )
+        raise ValueError(
+            f"W contains NaN or infinite values ({counts}): the parameters are already damaged (an earlier "
+            "step diverged, or they were loaded so); the step was not taken and the state is unchanged. "
+            "Restore W from a checkpoint"
+        )
+
+
+# ------------------------------------------------------------- statistics scale
+def statistics_scale(xp: Any, G: Array, statistics: str) -> tuple[Array, Any, Any]:
+    """``(G_s, scale, 1/s^2)``: the gradient lines 4–5 use, ``G_s = G / scale``.
+
+    ``scale = s`` for the printed statistics and ``rms(G) s`` for
+    ``"scale_invariant"``, with ``s`` a power of two per matrix (1 unless
+    ``max|G / rms| >= 2``): the Gram products of ``G_s`` cannot overflow, and
+    lines 4–5 take ``P_{t-1} / s^2`` in the EMA (``inv_s2``), which trace
+    normalisation maps to the same ``P_t`` (bit for bit the unscaled result
+    unless that overflows; docs/guarantees.md). Lines 6–7 multiply ``scale``
+    back into a coefficient.
+    """
+    m, n = G.shape[-2], G.shape[-1]
+    if statistics == "scale_invariant":  # G / rms(G), per matrix; a zero G stays zero
+        # rms on G / 2^k so the sum of squares cannot overflow; the power of two cancels exactly.
+        pow2 = linalg._pow2_scale(G)
+        rms = xp.sqrt(xp.sum((G / pow2) ** 2, axis=(-2, -1), keepdims=True) / (m * n))
+        stat_scale = pow2 * xp.where(rms > 0, rms, xp.ones_like(rms))
+        G_stat = G / stat_scale
+    else:
+        stat_scale, G_stat = 1.0, G
+    s = linalg._pow2_scale(G_stat)
+    return G_stat / s, stat_scale * s, 1 / s / s
+
+
+# ------------------------------------------------------------------ non-finite
+def skip_mask(xp: Any, G: Array) -> tuple[Array, Array]:
+    """``nonfinite="skip"``: per matrix, whether ``G`` has a NaN or infinity, and ``G`` with those matrices zeroed.
+
+    Sync-free: a skipped matrix is computed with ``G = 0`` (so no NaN reaches
+    ``eigh``) and restored afterwards by `restore_skipped`.
+    """
+    skip = ~xp.all(xp.isfinite(G), axis=(-2, -1))
+    return skip, xp.where(skip[..., None, None], xp.zeros_like(G), G)
+
+
+def select(xp: Any, keep: Array, old: Any, new: Any) -> Any:
+    """Per matrix of the batch, ``old`` where ``keep`` else ``new``; for arrays and `Blocks` alike."""
+    if isinstance(new, tuple):
+        return type(new)(*(None if n is None else select(xp, keep, o, n) for o, n in zip(old, new)))
+    mask = keep
+    while mask.ndim < new.ndim:
+        mask = mask[..., None]
+    return xp.where(mask, old, new)
+
+
+def counter(xp: Any, value: Any, shape: tuple[int, ...], dev: Any) -> Array:
+    """A counter field as an int32 array of the batch ``shape`` (states built by hand may hold a Python int)."""
+    if isinstance(value, numbers.Integral):
+        return xp.full(shape, int(value), dtype=xp.int32, device=dev)
+    return value
+
+
+def restore_skipped(xp: Any, skip: Array, direction: Array, state: Any, new: Any, fields: tuple[str, ...]) -> tuple:
+    """``nonfinite="skip"``: matrices flagged in ``skip`` get direction 0 and their old state, and are counted."""
+    batch, dev = tuple(skip.shape), device(direction)
+    arrays = {name: select(xp, skip, getattr(state, name), getattr(new, name)) for name in fields}
+    failures = counter(xp, new.root_failures, batch, dev)
+    return xp.where(skip[..., None, None], xp.zeros_like(direction), direction), new._replace(
+        **arrays,
+        # asarray: NumPy returns a scalar, not a 0-d array, for the sum of two 0-d arrays.
+        skipped=xp.asarray(counter(xp, state.skipped, batch, dev) + xp.astype(skip, xp.int32)),
+        root_failures=xp.where(skip, counter(xp, state.root_failures, batch, dev), failures),
+    )
+
+
+# ------------------------------------------------------------------ inverse roots
+def checks_roots(config: Any, nonfinite: str) -> bool:
+    """Whether inverse roots are checked: ``config.fallback``, or by default unless ``nonfinite="propagate"``."""
+    return config.fallback if config.fallback is not None else nonfinite != "propagate"
+
+
+def _is_linalg_error(exc: BaseException) -> bool:
+    """A library's "the factorisation failed" error: NumPy/CuPy ``LinAlgError``, torch ``_LinAlgError``."""
+    return any(cls.__name__.endswith("LinAlgError") for cls in type(exc).__mro__)
+
+
+def _checked_root(xp: Any, root: Any, A: Array, tolerance: float) -> tuple[Array, Array]:
+    """``Z = A^{-1/2}`` of a stack of square matrices by ``root``, and each one's ``||Z A Z - I||_F``.
+
+    A ``LinAlgError`` of the batched call is retried matrix by matrix, so only
+    the matrices that fail are marked (their ``Z`` and residual are NaN).
+    """
+    try:
+        Z = root(A)
+    except Exception as exc:
+        if not _is_linalg_error(exc):
+            raise
+        d = A.shape[-1]
+        flat = xp.reshape(A, (-1, d, d))
+        roots = []
+        for i in range(flat.shape[0]):
+            try:
+                roots.append(root(flat[i, ...]))
+            except Exception as exc_i:
+                if not _is_linalg_error(exc_i):
+                    raise
+                roots.append(xp.full((d, d), math.nan, dtype=A.dtype, device=device(A)))
+        Z = xp.reshape(xp.stack(roots), A.shape)
+    eye = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
+    return Z, xp.linalg.matrix_norm(Z @ A @ Z - eye)
+
+
+def _as_float64(xp: Any, A: Array) -> Optional[Array]:
+    """``A`` in float64, or ``None`` where the device has no float64 (array-api-strict's ``no_float64``, MPS)."""
+    try:
+        A64 = xp.astype(A, xp.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return A64 if A64.dtype == xp.float64 else None
+
+
+def guarded_inverse_sqrt(
+    xp: Any, structure: Structure, config: Any, nonfinite: str, A: Any, A_prev: Any, root_prev: Any, name: str,
+    batch_ndim: int, exact: Any,
+) -> tuple[Any, Any, Any]:
+    """``A^{-1/2}`` of ``A = P_t`` (or ``Q_t``) with the fault handling of `InverseRootConfig`.
+
+    Returns ``(A_t, A_t^{-1/2}, failed)``. ``failed`` is ``None`` when
+    nothing was checked (checks off, or traced), ``False`` when every root
+    passed, and otherwise a boolean array of the batch shape: those matrices
+    keep ``A_prev`` and ``root_prev``. A matrix of a blocked factor fails
+    when its residual over all blocks, ``sqrt(sum_i ||Z_i A_i Z_i - I||_F^2)``,
+    exceeds the tolerance. ``exact`` is the float64 ``eigh`` root of the retry.
+    """
+    if not checks_roots(config, nonfinite):
+        return A, structure.inverse_sqrt(A, config), None
+    parts = structure.parts(A)
+    checked = [_checked_root(xp, config, part, config.tolerance) for part in parts]
+    ok = _matrix_ok(xp, [r for _, r in checked], batch_ndim, config.tolerance)
+    roots = [Z for Z, _ in checked]
+    try:
+        if bool(xp.all(ok)):
+            return A, structure.from_parts(tuple(roots)), False
+    except TypeError:  # traced (jax.errors.ConcretizationTypeError): nothing can be read, no check
+        return A, structure.from_parts(tuple(roots)), None
+    if not (parts[0].dtype == xp.float64 and config.method == "eigh"):
+        parts64 = [_as_float64(xp, part) for part in parts]
+        if all(p is not None for p in parts64):  # the retry: eigh in float64, checked in float64
+            checked64 = [_checked_root(xp, exact, p, config.tolerance) for p in parts64]
+            ok64 = _matrix_ok(xp, [r for _, r in checked64], batch_ndim, config.tolerance)
+            retry = ok64 & ~ok
+            roots = [select(xp, retry, xp.astype(Z64, part.dtype), Z)
+                     for (Z64, _), Z, part in zip(checked64, roots, parts)]
+            ok = ok | ok64
+    root = structure.from_parts(tuple(roots))
+    failed = ~ok
+    count = int(xp.sum(xp.astype(failed, xp.int32)))
+    if count == 0:
+        return A, root, False
+    total = math.prod(failed.shape)
+    warnings.warn(
+        f"FISMO: the inverse square root of {name}_t failed for {count} of {total} matrices (a LinAlgError, "
+        f"a non-finite result or ||Z {name}_t Z - I||_F > {config.tolerance}, also with eigh in float64); "
+        f"they keep {name}_(t-1) and its cached root for this step. state.root_failures counts consecutive "
+        f"failures; more than InverseRootConfig.max_failures = {config.max_failures} raise InverseRootError",
+        InverseRootWarning,
+        stacklevel=5,
+    )
+    return select(xp, failed, A_prev, A), select(xp, failed, root_prev, root), failed
+
+
+def _matrix_ok(xp: Any, residuals: list[Array], batch_ndim: int, tolerance: float) -> Array:
+    """Per matrix of the batch, whether the residual over all its blocks is within ``tolerance`` (NaN fails)."""
+    if len(residuals) == 1 and residuals[0].ndim == batch_ndim:
+        return residuals[0] <= tolerance  # a full factor: its own residual
+    squares = [r**2 if r.ndim == batch_ndim else xp.sum(r**2, axis=-1) for r in residuals]
+    total = squares[0]
+    for s in squares[1:]:
+        total = total + s
+    return xp.sqrt(total) <= tolerance
+
+
+def root_failure_counts(
+    xp: Any, config: Any, state: Any, P_failed: Any, Q_failed: Any
+) -> Any:
+    """The new ``root_failures`` counters; `InverseRootError` when one exceeds ``max_failures``."""
+    if P_failed is None and Q_failed is None:
+        return state.root_failures  # unchecked: passed through
+    batch = tuple(state.M.shape[:-2])
+    failed = [(name, f) for name, f in (("P", P_failed), ("Q", Q_failed)) if f is not None and f is not False]
+    if not failed:
+        return xp.zeros(batch, dtype=xp.int32, device=device(state.M))
+    any_failed = failed[0][1] if len(failed) == 1 else failed[0][1] | failed[1][1]
+    previous = counter(xp, state.root_failures, batch, device(state.M))
+    counts = xp.where(any_failed, previous + 1, xp.zeros_like(previous))
+    over = xp.reshape(counts > config.max_failures, (-1,))
+    if bool(xp.any(over)):
+        indices = tuple(i for i in range(over.shape[0]) if bool(over[i]))
+        which = " and ".join(name for name, _ in failed)
+        raise InverseRootError(
+            f"FISMO: the inverse square root of {which}_t failed on more than max_failures = "
+            f"{config.max_failures} consecutive steps (matrices {list(indices)} of the batch, flat "
+            f"indices), also with eigh in float64; the step was not taken and the state passed in is "
+            f"unchanged. The preconditioner is too ill-conditioned for {state.M.dtype}: Algorithm 1 is not "
+            f"scale invariant, and for gradient entries of size sigma P and Q can reach condition numbers "
+            f"of about m sigma^2 / mu. Remedies: a larger mu, a smaller gradient scale, float64, or "
+            f"statistics='scale_invariant' (see docs/guarantees.md)",
+            indices,
+        )
+    return counts

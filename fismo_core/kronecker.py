@@ -1,0 +1,263 @@
+"""The Kronecker factors ``P`` and ``Q`` of Algorithm 1 as small objects, one per structure.
+
+A *structure* says how one side's factor is stored and how lines 4–8 act on
+it; the arrays themselves live in [`FISMOState`][fismo_core.FISMOState].
+Each structure offers the same five operations, so the step reads as
+Algorithm 1 whatever the structure:
+
+- ``identity``: ``P_0 = I``;
+- ``update``: lines 4 and 5, ``P_t = sym(m P~_t / tr P~_t)`` with
+  ``P~_t = gamma P_{t-1} + (1 - gamma) L_t`` and the damping of ``L_t``;
+- ``inverse_sqrt``: ``P_t^{-1/2}`` (fault handling: [`fismo_core.guards`][]);
+- ``left`` and ``right``: ``P^{-1/2} X`` and ``X Q^{-1/2}``.
+
+Two structures exist. `FullFactor` is the paper's: one dense ``d x d``
+matrix. `BlockDiagonalFactor` keeps only the diagonal blocks (size ``B``,
+the last block holding the remainder, as Distributed Shampoo's
+``max_preconditioner_dim``): nothing of size ``d x d`` is formed, the
+statistics cost ``O(m n B)`` and the roots one batched call per block size.
+Theorem 2 holds for any symmetric positive definite ``P`` and ``Q``, so the
+step stays the exact steepest descent for the block-diagonal metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+from array_api_compat import array_namespace, device
+
+from .linalg import Array
+
+__all__ = ["BlockDiagonalFactor", "Blocks", "FullFactor", "factor_structure", "state_size", "to_dense"]
+
+
+class Blocks(NamedTuple):
+    """A block-diagonal factor (or its root): ``full`` ``(..., k, B, B)``, the ``k`` blocks of size ``B``,
+    and ``rest`` ``(..., r, r)``, the last block of size ``r = d - k B`` (``None`` when ``B`` divides ``d``)."""
+
+    full: Array
+    rest: Optional[Array] = None
+
+
+Factor = Union[Array, Blocks]
+"""One side's factor as stored in the state: an array (`FullFactor`) or `Blocks`."""
+
+
+def _trace(xp: Any, A: Array) -> Array:
+    """``tr A`` of matrices ``(..., d, d)`` as ``(..., 1, 1)``."""
+    return xp.linalg.trace(A)[..., None, None]
+
+
+class FullFactor:
+    """The paper's Kronecker factor: one symmetric positive definite ``d x d`` matrix per parameter."""
+
+    def __init__(self, d: int) -> None:
+        self.d = d
+
+    def __repr__(self) -> str:
+        return f"FullFactor({self.d})"
+
+    def parts(self, factor: Array) -> tuple[Array, ...]:
+        """The arrays of ``factor``, each a stack of square blocks (here one block per matrix)."""
+        return (factor,)
+
+    def from_parts(self, parts: tuple[Array, ...]) -> Array:
+        return parts[0]
+
+    def part_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The trailing ``(d_i, d_i)`` shape of each part, after the batch and, for blocks, the block axis."""
+        return ((self.d, self.d),)
+
+    def identity(self, xp: Any, batch: tuple[int, ...], dtype: Any, dev: Any) -> Array:
+        """``P_0 = I_d`` for every matrix of the batch."""
+        return xp.zeros((*batch, self.d, self.d), dtype=dtype, device=dev) + xp.eye(self.d, dtype=dtype, device=dev)
+
+    def update(self, A: Array, X: Array, divisor: int, gamma: float, mu: float, inv_s2: Any) -> Array:
+        """Line 4 (``P``) or 5 (``Q``): ``A_t`` from ``A_{t-1}`` and the data term ``X X^T / divisor``.
+
+        For ``P``, ``X = G Q_{t-1}^{-1/2}`` and ``divisor = n``; for ``Q``,
+        ``X = (P_t^{-1/2} G)^T`` and ``divisor = m``. ``X`` may be scaled by
+        ``1/s`` (``inv_s2 = 1/s^2``, see `fismo_core.guards.statistics_scale`):
+        the EMA then takes ``A_{t-1} / s^2``, which trace normalisation maps
+        to the same ``A_t``. In one linear combination, with
+        ``a = gamma / s^2``, ``b = (1 - gamma) / divisor``,
+        ``c = (1 - gamma) mu tr(A_{t-1}) / (d s^2)`` and
+        ``k = d / (a tr A_{t-1} + b tr(X X^T) + c d)``:
+        ``A_t = sym(k A~_t) = k a A_{t-1} + (k b / 2)(X X^T + (X X^T)^T) + k c I``.
+        """
+        xp = array_namespace(A, X)
+        gram = X @ xp.matrix_transpose(X)
+        return _combine(xp, A, gram, _trace(xp, A), _trace(xp, gram), divisor, gamma, mu, inv_s2, self.d)
+
+    def inverse_sqrt(self, A: Array, root: Callable[[Array], Array]) -> Array:
+        """``A^{-1/2}`` by ``root`` (an [`InverseRootConfig`][fismo_core.InverseRootConfig])."""
+        return root(A)
+
+    def left(self, Z: Array, X: Array) -> Array:
+        """``Z X``: a root applied from the left (``P^{-1/2} X``)."""
+        return Z @ X
+
+    def right(self, X: Array, Z: Array) -> Array:
+        """``X Z``: a root applied from the right (``X Q^{-1/2}``)."""
+        return X @ Z
+
+
+class BlockDiagonalFactor:
+    """A Kronecker factor kept block-diagonal: blocks of size ``block_size``, the last one the remainder.
+
+    Stored as `Blocks`. ``d <= block_size`` is one block, which is
+    `FullFactor` (see `factor_structure`); this class is for ``d > block_size``.
+    """
+
+    def __init__(self, d: int, block_size: int) -> None:
+        if not 0 < block_size < d:
+            raise ValueError(f"a block-diagonal factor needs 0 < block_size < d, got block_size={block_size}, d={d}")
+        self.d, self.B = d, block_size
+        self.k, self.r = divmod(d, block_size)
+
+    def __repr__(self) -> str:
+        return f"BlockDiagonalFactor({self.d}, block_size={self.B})"
+
+    def parts(self, factor: Blocks) -> tuple[Array, ...]:
+        return (factor.full,) if self.r == 0 else (factor.full, factor.rest)
+
+    def from_parts(self, parts: tuple[Array, ...]) -> Blocks:
+        return Blocks(parts[0], parts[1] if self.r else None)
+
+    def part_shapes(self) -> tuple[tuple[int, ...], ...]:
+        full = (self.k, self.B, self.B)
+        return (full,) if self.r == 0 else (full, (self.r, self.r))
+
+    def identity(self, xp: Any, batch: tuple[int, ...], dtype: Any, dev: Any) -> Blocks:
+        parts = [xp.zeros((*batch, *shape), dtype=dtype, device=dev) + xp.eye(shape[-1], dtype=dtype, device=dev)
+                 for shape in self.part_shapes()]
+        return self.from_parts(tuple(parts))
+
+    def _split_rows(self, X: Array) -> tuple[Array, Optional[Array]]:
+        """Rows of ``X`` ``(..., d, c)`` by block: ``(..., k, B, c)`` and the remainder ``(..., r, c)``."""
+        xp = array_namespace(X)
+        kB = self.k * self.B
+        full = xp.reshape(X[..., :kB, :], (*X.shape[:-2], self.k, self.B, X.shape[-1]))
+        return full, (X[..., kB:, :] if self.r else None)
+
+    def _join_rows(self, full: Array, rest: Optional[Array]) -> Array:
+        xp = array_namespace(full)
+        joined = xp.reshape(full, (*full.shape[:-3], self.k * self.B, full.shape[-1]))
+        return joined if rest is None else xp.concat((joined, rest), axis=-2)
+
+    def update(self, A: Blocks, X: Array, divisor: int, gamma: float, mu: float, inv_s2: Any) -> Blocks:
+        """Line 4 or 5 with only the diagonal blocks of the data term ``X X^T / divisor``.
+
+        Damping, EMA, symmetrisation and trace normalisation act on the whole
+        block-diagonal factor exactly as in `FullFactor.update`: one trace
+        over all blocks, so ``tr A_t = d``.
+        """
+        xp = array_namespace(A.full, X)
+        X_full, X_rest = self._split_rows(X)
+        grams = [X_full @ xp.matrix_transpose(X_full)]
+        if X_rest is not None:
+            grams.append(X_rest @ xp.matrix_transpose(X_rest))
+        parts = self.parts(A)
+        # One trace over all blocks, per matrix (..., 1, 1); the full part's blocks carry an extra axis.
+        trace_prev, trace_gram = _total_trace(xp, parts), _total_trace(xp, grams)
+        new_parts = []
+        for i, (part, gram) in enumerate(zip(parts, grams)):
+            over = _over_blocks if i == 0 else (lambda x: x)
+            new_parts.append(
+                _combine(xp, part, gram, over(trace_prev), over(trace_gram), divisor, gamma, mu, over(inv_s2), self.d)
+            )
+        return self.from_parts(tuple(new_parts))
+
+    def inverse_sqrt(self, A: Blocks, root: Callable[[Array], Array]) -> Blocks:
+        """One batched root per block size: all ``k`` full blocks in one call, the remainder in another."""
+        return self.from_parts(tuple(root(p) for p in self.parts(A)))
+
+    def left(self, Z: Blocks, X: Array) -> Array:
+        """``Z X`` for block-diagonal ``Z``: each block of rows of ``X`` times its block (``O(d B c)``)."""
+        X_full, X_rest = self._split_rows(X)
+        return self._join_rows(Z.full @ X_full, None if X_rest is None else Z.rest @ X_rest)
+
+    def right(self, X: Array, Z: Blocks) -> Array:
+        """``X Z = (Z^T X^T)^T`` for block-diagonal ``Z``."""
+        xp = array_namespace(X)
+        Zt = Blocks(xp.matrix_transpose(Z.full), None if Z.rest is None else xp.matrix_transpose(Z.rest))
+        return xp.matrix_transpose(self.left(Zt, xp.matrix_transpose(X)))
+
+
+def _over_blocks(x: Any) -> Any:
+    """A per-matrix scalar ``(..., 1, 1)`` as ``(..., 1, 1, 1)``, to broadcast over the block axis."""
+    return x[..., None] if hasattr(x, "ndim") else x
+
+
+def _total_trace(xp: Any, parts: Sequence[Array]) -> Array:
+    """The trace of a block-diagonal matrix given as its parts (the full blocks first), per matrix ``(..., 1, 1)``."""
+    total = xp.sum(xp.linalg.trace(parts[0]), axis=-1)
+    for part in parts[1:]:
+        total = total + xp.linalg.trace(part)
+    return total[..., None, None]
+
+
+def _combine(
+    xp: Any, A: Array, gram: Array, trace_prev: Any, trace_gram: Any, divisor: int, gamma: float, mu: float,
+    inv_s2: Any, d: int,
+) -> Array:
+    """``k a A + (k b / 2)(gram + gram^T) + k c I``: lines 4–5's EMA, damping, ``sym`` and normalisation to trace ``d``."""
+    a = gamma * inv_s2
+    b = (1 - gamma) / divisor
+    c = (1 - gamma) * mu * trace_prev / d * inv_s2
+    k = d / (a * trace_prev + b * trace_gram + c * d)
+    eye = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
+    return (k * a) * A + (k * (b / 2)) * (gram + xp.matrix_transpose(gram)) + (k * c) * eye
+
+
+Structure = Union[FullFactor, BlockDiagonalFactor]
+
+
+def factor_structure(d: int, block_size: Optional[int]) -> Structure:
+    """The structure of a side of size ``d``: full if ``block_size`` is ``None`` or ``d <= block_size``."""
+    if block_size is None or d <= block_size:
+        return FullFactor(d)
+    return BlockDiagonalFactor(d, block_size)
+
+
+def to_dense(factor: Factor) -> Array:
+    """The factor as a dense ``(..., d, d)`` matrix (block-diagonal for `Blocks`); for tests and verification."""
+    if not isinstance(factor, Blocks):
+        return factor
+    xp = array_namespace(factor.full)
+    *batch, k, B, _ = factor.full.shape
+    blocks = [factor.full[..., i, :, :] for i in range(k)]
+    if factor.rest is not None:
+        blocks.append(factor.rest)
+    d = sum(b.shape[-1] for b in blocks)
+    rows, start = [], 0
+    for b in blocks:
+        size = b.shape[-1]
+        zeros = lambda w: xp.zeros((*batch, size, w), dtype=b.dtype, device=device(b))  # noqa: E731
+        row = [x for x in (zeros(start) if start else None, b, zeros(d - start - size) if d - start - size else None)
+               if x is not None]
+        rows.append(xp.concat(row, axis=-1))
+        start += size
+    return xp.concat(rows, axis=-2)
+
+
+def state_size(m: int, n: int, block_size: Optional[int] = None) -> int:
+    """Elements FISMO keeps per ``m x n`` matrix: ``P``, ``Q``, their two roots and ``M``.
+
+    ``2 (m^2 + n^2) + m n`` for full factors; with blocks of size ``B`` each
+    side of size ``d > B`` keeps ``k B^2 + r^2 <= d B`` per array, so the
+    total is at most ``m n + 2 (m + n) B``.
+    """
+    total = m * n
+    for d in (m, n):
+        structure = factor_structure(d, block_size)
+        total += 2 * sum(_prod(shape) for shape in structure.part_shapes())
+    return total
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
