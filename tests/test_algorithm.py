@@ -596,6 +596,7 @@ _IMMUTABILITY_CONFIGS = {
     "ns-ns-nesterov": dict(lr=0.1, beta=0.7, gamma=0.5, mu=0.1, polar="newton_schulz",
                            inv_root="newton_schulz", nesterov=True),
     "gamma1": dict(lr=0.1, beta=0.7, gamma=1.0, weight_decay=0.1),
+    "blocks": dict(lr=0.1, beta=0.7, gamma=0.5, mu=0.1, block_size=2),  # 5 = 2+2+1 rows, 3 = 2+1 columns
 }
 
 
@@ -613,7 +614,13 @@ def test_inputs_are_never_mutated(target: Target, config) -> None:
     is_torch = target.backend == "torch"
 
     def arrays(W, G, state):
-        return {"W": W, "G": G, **{k: v for k, v in state._asdict().items() if k != "step"}}
+        out = {"W": W, "G": G}
+        for k, v in state._asdict().items():
+            if isinstance(v, tuple):  # a blocked factor: each of its arrays
+                out.update({f"{k}.{i}": part for i, part in enumerate(v) if part is not None})
+            elif k != "step":
+                out[k] = v
+        return out
 
     def check_unchanged(call, W, G, state):
         inputs = arrays(W, G, state)
