@@ -12,6 +12,7 @@ restructuring could disturb, the torch optimizer and the optax adapter.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import warnings
 
@@ -81,7 +82,9 @@ def torch_outputs() -> dict[str, np.ndarray]:
             torch.nn.Conv2d(2, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 8), torch.nn.ReLU(),
             torch.nn.Linear(8, 8), torch.nn.Linear(8, 3),
         ).to(dtype)
-        opt = TorchFISMO(param_groups(model), lr=0.02)
+        # The split of the adapter before the output-head rule (head=None where the rule exists).
+        split = {"head": None} if "head" in inspect.signature(param_groups).parameters else {}
+        opt = TorchFISMO(param_groups(model, **split), lr=0.02)
         x = torch.randn(16, 2, 6, 6, dtype=dtype)
         for _ in range(STEPS):
             opt.zero_grad()
