@@ -20,6 +20,9 @@ checks the theory behind that choice (derived on the documentation page
    ``Q`` with ``P`` fixed). Checked against random block-diagonal SPD
    competitors, by the gradient on the block-diagonal subspace, and against
    plausible wrong formulas, which lose.
+3. The same two statements on the steps of ``FISMO(block_size=B)`` itself.
+4. The numbers the documentation states on these pages (the Scaling up
+   tables, the quick start of ``docs/index.md``) are what the code gives.
 
 Everything expected is computed here in NumPy float64 from the paper's
 formulas (``J`` in its Kronecker form ``tr((Q^-1 kron P^-1)(F + mu I)) +
@@ -545,3 +548,59 @@ def test_first_blocked_step_is_the_block_optimum_of_theorem_1(m: int, n: int, B:
     assert _rel(P1, _blocks_of(np.asarray(full.P), B)) <= 1e-13
     if m > B:
         assert _rel(Q1, _blocks_of(np.asarray(full.Q), B)) > 1e-2
+
+
+# ------------------------------------------------------------------ 4. the numbers on the docs pages
+
+DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs"
+
+
+def _table_rows(text: str, header_start: str) -> list[list[str]]:
+    """The body rows of the markdown table whose header line starts with ``header_start``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_scaling_page_tables_are_what_the_model_gives() -> None:
+    """The memory and operation-count tables of docs/scaling.md are the output of the commands printed there."""
+    from fismo_core import FISMO
+    from fismo_core.perf import muon_flops, muon_state_elements, state_elements, step_flops
+
+    text = (DOCS / "scaling.md").read_text()
+    memory = _table_rows(text, "| m x n | Muon (elements)")
+    flops = _table_rows(text, "| m x n | Muon (GFLOP)")
+    assert len(memory) == len(flops) == 6
+    blocks = (None, 512, 768, 1024)
+    for row in memory:
+        m, n = (int(x) for x in row[0].split(" x "))
+        mu = muon_state_elements(m, n)
+        assert row[1] == f"{mu:,}"
+        assert row[2:] == [f"{state_elements(m, n, B) / mu:.2f}x" for B in blocks]
+    for row in flops:
+        m, n = (int(x) for x in row[0].split(" x "))
+        mu = muon_flops(m, n)
+        assert row[1] == f"{mu / 1e9:.1f}"
+        counts = [step_flops(m, n, FISMO(block_size=B)) for B in blocks]
+        assert row[2:] == [f"{f['total'] / mu:.2f}x ({(f['total'] - f['eigh']) / mu:.2f}x)" for f in counts]
+
+
+def test_index_quick_start_prints_what_the_page_says(capsys) -> None:
+    """docs/index.md's quick start, run as written, prints the step count and relative error its comment shows."""
+    import re
+
+    text = (DOCS / "index.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.+?)\n```", text, re.S) if "opt.step(" in block)
+    shown = re.search(r"print\(.*\)\s+#\s*(\d+)\s+([0-9.]+)", code)
+    assert shown, "the quick start's print line must show its output in a comment"
+    exec(compile(code, "docs/index.md", "exec"), {})
+    printed = capsys.readouterr().out.split()
+    assert printed[0] == shown.group(1)
+    # the comment rounds to the digits it shows (3 significant figures)
+    digits = len(shown.group(2).split(".")[1])
+    assert f"{float(printed[1]):.{digits}f}" == shown.group(2)
