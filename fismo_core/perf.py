@@ -25,12 +25,8 @@ from __future__ import annotations
 from typing import Optional
 
 from . import linalg
+from .guards import checks_roots as _checks_roots
 from .optimizer import FISMO
-
-try:  # the restructured core keeps its guards apart
-    from .guards import checks_roots as _checks_roots
-except ImportError:  # pragma: no cover - the core before the restructure
-    from .optimizer import _checks_roots
 
 __all__ = [
     "EIGH_FLOPS_PER_CUBE",

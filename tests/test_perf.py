@@ -34,6 +34,12 @@ CONFIGS = {
     "polar_express-polar": {"polar": {"coefficients": "polar_express", "steps": 8}},
     "gamma1": {"gamma": 1.0},
     "nesterov-scale-invariant": {"nesterov": True, "statistics": "scale_invariant"},
+    # Blocks of 16: 24 = 16 + 8 (a remainder), 40 = 16 + 16 + 8, 16 = one block (the full factor).
+    "blocks": {"block_size": 16},
+    "blocks-propagate": {"block_size": 16, "nonfinite": "propagate"},
+    "blocks-newton_schulz": {"block_size": 16, "inv_root": "newton_schulz", "nonfinite": "propagate"},
+    "blocks-divides": {"block_size": 8, "nonfinite": "propagate"},
+    "blocks-gamma1": {"block_size": 16, "gamma": 1.0},
 }
 
 
@@ -137,7 +143,14 @@ def test_blocked_flop_model_by_hand() -> None:
 
 
 def array_elements(state) -> int:
-    return sum(math.prod(getattr(state, f).shape) for f in ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt"))
+    """Elements of the arrays of a core state: M, and P, Q and both roots, each a plain array or the
+    parts of a block-diagonal factor (``kronecker.Blocks``: the full blocks and the remainder)."""
+    total = 0
+    for f in ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt"):
+        value = getattr(state, f)
+        parts = value if isinstance(value, tuple) else (value,)
+        total += sum(math.prod(part.shape) for part in parts if part is not None)
+    return total
 
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16), (5, 24, 40)], ids=str)
@@ -151,6 +164,25 @@ def test_state_elements_counts_the_core_state(target, shape: tuple[int, ...]) ->
     for f in ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt"):
         assert getattr(state, f).dtype == W.dtype
     assert math.prod(state.skipped.shape) == math.prod(state.root_failures.shape) == math.prod(batch)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 40], ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (5, 24, 40)], ids=str)
+def test_state_elements_counts_the_blocked_core_state(target, shape: tuple[int, ...], block_size: int) -> None:
+    """A blocked state holds what the model says (at most mn + 2(m+n)B per matrix), the same count
+    as ``kronecker.state_size``, and after a step still only that (the factors stay blocked)."""
+    from fismo_core.kronecker import state_size
+
+    *batch, m, n = shape
+    opt = FISMO(block_size=block_size)
+    W = target.asarray(np.zeros(shape))
+    state = opt.init(W)
+    expected = math.prod(batch) * state_elements(m, n, block_size)
+    assert array_elements(state) == expected
+    assert state_elements(m, n, block_size) == state_size(m, n, block_size) <= m * n + 2 * (m + n) * block_size
+    G = target.asarray(np.random.default_rng(0).standard_normal(shape))
+    _, state = opt.step(W, G, state)
+    assert array_elements(state) == expected
 
 
 def torch_state_elements(opt, p) -> int:
