@@ -91,7 +91,7 @@ def test_matrix_conv_is_a_conv2d() -> None:
 def test_presets() -> None:
     default, quick, tiny = (default_config(preset=p) for p in ("default", "quick", "tiny"))
     assert default_config(True) == quick and default_config() == default
-    assert [p.steps for p in default.plans] == [400, 600] and default.seeds == 3
+    assert [p.steps for p in default.plans] == [400, 300] and default.seeds == 3
     assert (default.preset, quick.preset, tiny.preset) == ("default", "quick", "tiny") and quick.quick
     for config in (default, quick, tiny):
         for plan in config.plans:
