@@ -67,29 +67,29 @@ def comm(p: torch.Tensor, process_group: Any) -> tuple[str, Any]:
 
 
 def owners(
-    matrices: Iterable[torch.Tensor], process_group: Any, shape: Callable[[torch.Size], tuple[int, int]]
+    matrices: Iterable[tuple[torch.Tensor, Any]], process_group: Any, cost: Callable[[torch.Tensor, Any], float]
 ) -> dict[torch.Tensor, int]:
     """Owner rank (within its process group) of every distributed FISMO matrix.
 
-    ``matrices`` are the FISMO parameters in parameter order; ``shape`` maps
-    a parameter's shape to its matrix ``(m, n)``. Greedy least-loaded
-    assignment in parameter order, with the cost of a direction
-    ``m^3 + n^3 + m n min(m, n)`` (two inverse roots, polar factor). It
-    depends only on the param groups, so every rank computes the same table,
-    and it is stable across steps (a matrix's state lives on its owner).
+    ``matrices`` are the FISMO parameters in parameter order, each with its
+    group's ``block_size``; ``cost(p, block_size)`` is the cost of its
+    direction (``m^3 + n^3 + m n min(m, n)`` for full factors: two inverse
+    roots and the polar factor). Greedy least-loaded assignment
+    in parameter order. It depends only on the param groups, so every rank
+    computes the same table, and it is stable across steps (a matrix's
+    state lives on its owner).
     """
     table: dict[torch.Tensor, int] = {}
     loads: dict[Any, list[float]] = {}
-    for p in matrices:
+    for p, block_size in matrices:
         kind, pg = comm(p, process_group)
         if kind == "local":
             continue
         if pg not in loads:
             loads[pg] = [0.0] * torch.distributed.get_world_size(pg)
         load = loads[pg]
-        m, n = shape(p.shape)
         owner = min(range(len(load)), key=load.__getitem__)
-        load[owner] += float(m) ** 3 + float(n) ** 3 + float(m) * n * min(m, n)
+        load[owner] += cost(p, block_size)
         table[p] = owner
     return table
 

@@ -46,7 +46,9 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "maximize": False,
     "foreach": None,
 }
-FISMO_ONLY_KEYS = ("beta", "gamma", "mu", "polar", "inv_root", "nesterov", "adjust_lr_fn", "statistics", "nonfinite")
+FISMO_ONLY_KEYS = (
+    "beta", "gamma", "mu", "polar", "inv_root", "nesterov", "adjust_lr_fn", "statistics", "nonfinite", "block_size"
+)
 ADAMW_ONLY_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach")
 
 
@@ -101,6 +103,7 @@ def core_key(group: dict) -> tuple:
         group["nesterov"],
         group.get("statistics", CORE_DEFAULTS.statistics),  # absent from checkpoints saved before it existed
         group.get("nonfinite", "raise"),  # likewise
+        group.get("block_size"),  # likewise (None: full factors)
     )
 
 
@@ -118,7 +121,7 @@ def make_core(key: tuple) -> _CoreFISMO:
     ``nonfinite`` policy, as they would in the core, unless ``inv_root``
     sets ``fallback``.
     """
-    beta, gamma, mu, polar, inv_root, nesterov, statistics, nonfinite = key
+    beta, gamma, mu, polar, inv_root, nesterov, statistics, nonfinite, block_size = key
     inv_root = dict(inv_root)
     if inv_root.get("fallback") is None:
         inv_root["fallback"] = nonfinite != "propagate"
@@ -131,6 +134,7 @@ def make_core(key: tuple) -> _CoreFISMO:
         nesterov=nesterov,
         statistics=statistics,
         nonfinite="propagate",
+        block_size=block_size,
     )
 
 
@@ -160,12 +164,15 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
             nesterov=hp["nesterov"],
             statistics=hp.get("statistics", CORE_DEFAULTS.statistics),
             nonfinite=hp.get("nonfinite", "raise"),
+            block_size=hp.get("block_size"),
         )
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from exc
     # Plain dicts, so that a state_dict loads with torch.load(weights_only=True).
     hp["polar"] = dataclasses.asdict(core.polar)
     hp["inv_root"] = dataclasses.asdict(core.inv_root)
+    if "block_size" in hp:
+        hp["block_size"] = core.block_size  # a Python int (or None), whatever integer type was given
 
 
 def validate_adamw_hparams(group: dict, where: str) -> None:
@@ -240,7 +247,7 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
             )
         merged = {**defaults, **{k: v for k, v in group.items() if k in defaults}}
         validate_fismo_hparams(merged, where)
-        for key in ("polar", "inv_root"):
+        for key in ("polar", "inv_root", "block_size"):
             if key in group:
                 group[key] = merged[key]
         for i, (name, p) in enumerate(named):

@@ -3,7 +3,8 @@
 Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]. This module holds
 
 - the layout of a FISMO parameter's state in ``optimizer.state[p]``
-  (`STATE_KEYS`, `COUNTER_KEYS`, `init_matrix_state`),
+  (`STATE_KEYS`, `COUNTER_KEYS`, `state_layout`, `init_matrix_state`) and
+  its stacking into one batched core state per bucket (`pack`, `unpack`),
 - the checkpoint checks and the precision-preserving restore of
   ``load_state_dict`` (`check_saved_state`, `restore_saved_state`),
 - the gradient checks of a step (`check_grads`: layout, dtype, shape, and
@@ -14,25 +15,53 @@ Every check raises before any parameter or state is touched.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from fismo_core.kronecker import factor_structure
 from fismo_core.optimizer import FISMO as _CoreFISMO
+from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
 from ._torch_distributed import is_dtensor, local_device
 from ._torch_groups import matrix_shape, param_name
 
-#: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order.
+#: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
+#: blocks (``block_size``) keeps its full blocks ``(k, B, B)`` under these names and its
+#: remainder block ``(r, r)`` under ``"<name>_rest"`` (the keys of ``FISMOState.to_dict``).
 STATE_KEYS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
 #: The per-parameter int32 counters (``FISMOState.skipped``, ``.root_failures``), 0-d tensors.
 COUNTER_KEYS = ("skipped", "root_failures")
+_SIDE = {"P": 0, "P_inv_sqrt": 0, "Q": 1, "Q_inv_sqrt": 1}  # which side (m or n) a factor belongs to
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The core's precision policy (``fismo_core.state_dtype``) for a torch dtype."""
     return _core_state_dtype(torch, dtype)
+
+
+def _part_keys(name: str, parts: int) -> tuple[str, ...]:
+    return (name,) if parts == 1 else (name, f"{name}_rest")
+
+
+def state_layout(m: int, n: int, block_size: Optional[int]) -> dict[str, tuple[int, ...]]:
+    """Every floating tensor of the state of an ``m x n`` matrix, by key, with its shape.
+
+    Full factors: ``P``, ``P_inv_sqrt`` ``(m, m)``, ``Q``, ``Q_inv_sqrt``
+    ``(n, n)``, ``M`` ``(m, n)``. A side split into blocks keeps ``(k, B, B)``
+    under its names and, when ``B`` does not divide it, ``(r, r)`` under
+    ``"<name>_rest"``.
+    """
+    structures = (factor_structure(m, block_size), factor_structure(n, block_size))
+    layout: dict[str, tuple[int, ...]] = {}
+    for name in STATE_KEYS:
+        if name == "M":
+            layout["M"] = (m, n)
+            continue
+        shapes = structures[_SIDE[name]].part_shapes()
+        layout.update(zip(_part_keys(name, len(shapes)), (tuple(shape) for shape in shapes)))
+    return layout
 
 
 def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -43,13 +72,61 @@ def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: tor
     if not state:
         init = core.init(torch.empty(G.shape, dtype=dtype, device=G.device))
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["P"], state["Q"], state["M"] = init.P, init.Q, init.M
+        left, right = core.structures(*G.shape[-2:])
         # The core returns the roots as arrays of their own, so in-place updates never alias P.
-        state["P_inv_sqrt"], state["Q_inv_sqrt"] = init.P_inv_sqrt, init.Q_inv_sqrt
+        for name in STATE_KEYS:
+            value = getattr(init, name)
+            if name == "M":
+                state["M"] = value
+                continue
+            parts = (left, right)[_SIDE[name]].parts(value)
+            for key, part in zip(_part_keys(name, len(parts)), parts):
+                state[key] = part
     for key in COUNTER_KEYS:  # also for states from before the counters existed
         if key not in state:
-            state[key] = torch.zeros((), dtype=torch.int32, device=state["P"].device)
+            state[key] = torch.zeros((), dtype=torch.int32, device=state["M"].device)
     return state
+
+
+# ---------------------------------------------------------------- buckets
+def pack(core: _CoreFISMO, states: list[dict], m: int, n: int) -> FISMOState:
+    """The states of a bucket of ``(m, n)`` matrices as one batched ``FISMOState`` (leading dimension: the bucket)."""
+    structures = core.structures(m, n)
+
+    def stack(key: str) -> torch.Tensor:
+        return states[0][key][None] if len(states) == 1 else torch.stack([s[key] for s in states])
+
+    fields: dict[str, Any] = {}
+    for name in STATE_KEYS:
+        if name == "M":
+            fields["M"] = stack("M")
+            continue
+        structure = structures[_SIDE[name]]
+        keys = _part_keys(name, len(structure.part_shapes()))
+        fields[name] = structure.from_parts(tuple(stack(key) for key in keys))
+    return FISMOState(**fields, step=0, **{k: stack(k) for k in COUNTER_KEYS})
+
+
+def unpack(core: _CoreFISMO, states: list[dict], stacked: FISMOState, new: FISMOState, m: int, n: int) -> None:
+    """Copy the core's new batched state into the bucket's per-parameter states, in place.
+
+    Parts the core returned unchanged (``gamma = 1`` keeps ``P``, ``Q`` and
+    their roots) are not copied.
+    """
+    structures = core.structures(m, n)
+    for name in STATE_KEYS + COUNTER_KEYS:
+        new_value, old_value = getattr(new, name), getattr(stacked, name)
+        if name in _SIDE:
+            structure = structures[_SIDE[name]]
+            new_parts, old_parts = structure.parts(new_value), structure.parts(old_value)
+            keys = _part_keys(name, len(new_parts))
+        else:
+            new_parts, old_parts, keys = (new_value,), (old_value,), (name,)
+        for key, new_part, old_part in zip(keys, new_parts, old_parts):
+            if new_part is old_part:
+                continue
+            for i, state in enumerate(states):
+                state[key].copy_(new_part[i])
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -67,25 +144,39 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
                 f"param group {gi} is a FISMO group, but the checkpoint's group {gi} is an "
                 f"{saved_group['algorithm']!r} group (were the groups saved in another order?)"
             )
+        block_size, saved_block_size = group.get("block_size"), saved_group.get("block_size")
+        if saved_block_size != block_size:
+            raise ValueError(
+                f"param group {gi} has block_size={block_size!r}, but the checkpoint's group {gi} was saved with "
+                f"block_size={saved_block_size!r}: a state cannot change its blocks. Resume with "
+                f"block_size={saved_block_size!r} in that group, or start a new state"
+            )
         for i, (index, p) in enumerate(zip(saved_group["params"], group["params"])):
             saved = saved_state.get(index)
             if not saved:
                 continue
             name = param_name(group, i, gi)
-            missing = [key for key in ("step", *STATE_KEYS) if key not in saved]
+            m, n = matrix_shape(p.shape)
+            expected = state_layout(m, n, block_size)
+            missing = [key for key in ("step", *expected) if key not in saved]
             if missing:
                 raise KeyError(
                     f"the checkpoint's state for {name} lacks {missing} (it has {sorted(saved)}): "
-                    "not a FISMO state, or saved for another parameter order"
+                    "not a FISMO state, or saved for another parameter order or block_size"
                 )
-            m, n = matrix_shape(p.shape)
-            expected = {"P": (m, m), "Q": (n, n), "M": (m, n), "P_inv_sqrt": (m, m), "Q_inv_sqrt": (n, n)}
+            extra = [key for key in saved if key.endswith("_rest") and key not in expected]
+            if extra:
+                raise ValueError(
+                    f"the checkpoint's state for {name} has remainder blocks {extra}, which a {m}x{n} matrix "
+                    f"with block_size={block_size!r} does not have (saved with another block_size?)"
+                )
             for key, shape in expected.items():
                 value = saved[key]
                 if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
                     got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     raise ValueError(
-                        f"{name} has shape {tuple(p.shape)} (optimised as the matrix {m}x{n}), so its state "
+                        f"{name} has shape {tuple(p.shape)} (optimised as the matrix {m}x{n}"
+                        f"{f' with block_size={block_size}' if block_size is not None else ''}), so its state "
                         f"{key!r} must have shape {shape}; the checkpoint has {got} (was it saved for another "
                         "model, or with the parameters in another order?)"
                     )
@@ -121,7 +212,7 @@ def restore_saved_state(state: dict, param_groups: list, saved_state: dict, save
             device = local_device(p)
             # Copies (copy=True): FISMO updates its state in place, so a state_dict taken from
             # another live optimizer must not share tensors with it.
-            for key in STATE_KEYS:
+            for key in state_layout(*matrix_shape(p.shape), group.get("block_size")):
                 if key in saved:
                     s[key] = saved[key].to(device=device, dtype=dtype, copy=True)
             for key in COUNTER_KEYS:

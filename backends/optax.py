@@ -79,17 +79,28 @@ def scale_by_fismo(
     nesterov: bool = False,
     statistics: str = "printed",
     matrix_shape: MatrixShape = default_matrix_shape,
+    block_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """FISMO's direction ``dW_t`` (lines 4-8 of Algorithm 1) for every leaf: not negated, not scaled.
 
     Every leaf must have ``ndim >= 2``; use :func:`fismo` for a whole model.
     Directions have the gradient's dtype (the state is float32 for bf16/fp16
-    leaves, as in the core).
+    leaves, as in the core). ``block_size`` is the core's: a side longer than
+    it keeps only its diagonal blocks (a [`Blocks`][fismo_core.kronecker.Blocks]
+    in the leaf's state, a pytree like the rest).
     """
     # The learning rate is applied by optax.scale_by_learning_rate; the core's
     # lr is unused by FISMO.direction.
     core = FISMO(
-        lr=1.0, beta=beta, gamma=gamma, mu=mu, polar=polar, inv_root=inv_root, nesterov=nesterov, statistics=statistics
+        lr=1.0,
+        beta=beta,
+        gamma=gamma,
+        mu=mu,
+        polar=polar,
+        inv_root=inv_root,
+        nesterov=nesterov,
+        statistics=statistics,
+        block_size=block_size,
     )
 
     every = core.inv_root.every
@@ -150,6 +161,7 @@ def fismo(
     non_matrix: Union[str, optax.GradientTransformation] = "adamw",
     matrix_mask: Optional[Any] = None,
     matrix_shape: MatrixShape = default_matrix_shape,
+    block_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """FISMO (Algorithm 1) for the matrix leaves of a pytree, as an optax transformation.
 
@@ -177,6 +189,11 @@ def fismo(
     matrix_shape:
         The matrix a leaf of more than two dimensions is optimized as;
         default ``(shape[0], prod(shape[1:]))``.
+    block_size:
+        ``None`` (default): full factors, the printed algorithm. An integer
+        ``B``: block-diagonal factors, as [`fismo_core.FISMO`][fismo_core.FISMO]'s
+        ``block_size`` (a side of size ``<= B`` is one block, the full factor).
+        A bad value raises ``ValueError`` here, before any state exists.
 
     Returns
     -------
@@ -219,9 +236,19 @@ def fismo(
                 )
         return out
 
-    matrix_tx = [scale_by_fismo(
-            beta, gamma, mu, polar=polar, inv_root=inv_root, nesterov=nesterov, statistics=statistics, matrix_shape=matrix_shape
-        )]
+    matrix_tx = [
+        scale_by_fismo(
+            beta,
+            gamma,
+            mu,
+            polar=polar,
+            inv_root=inv_root,
+            nesterov=nesterov,
+            statistics=statistics,
+            matrix_shape=matrix_shape,
+            block_size=block_size,
+        )
+    ]
     if weight_decay:
         matrix_tx.append(optax.add_decayed_weights(weight_decay))
     matrix_tx.append(optax.scale_by_learning_rate(learning_rate))

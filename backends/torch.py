@@ -24,6 +24,7 @@ broadcast). See ``docs/torch.md``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -31,7 +32,8 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from fismo_core.optimizer import FISMO as _CoreFISMO
-from fismo_core.optimizer import FISMOState, InverseRootConfig, InverseRootError, PolarConfig
+from fismo_core.kronecker import factor_structure
+from fismo_core.optimizer import InverseRootConfig, InverseRootError, PolarConfig
 
 from . import _torch_distributed as _dist
 from ._torch_groups import (
@@ -55,8 +57,10 @@ from ._torch_state import (
     check_grads,
     check_saved_state,
     init_matrix_state,
+    pack,
     restore_saved_state,
     state_dtype,
+    unpack,
 )
 
 __all__ = ["ADAMW_DEFAULTS", "COUNTER_KEYS", "FISMO", "STATE_KEYS", "param_groups"]
@@ -130,6 +134,7 @@ class FISMO(Optimizer):
         process_group: Any = None,
         statistics: str = _CORE_DEFAULTS.statistics,
         nonfinite: str = "raise",
+        block_size: Optional[int] = None,
     ) -> None:
         if args:
             raise TypeError(
@@ -153,6 +158,7 @@ class FISMO(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "statistics": statistics,
             "nonfinite": nonfinite,
+            "block_size": block_size,
         }
         validate_fismo_hparams(defaults, "the optimizer's defaults")
         super().__init__(params, defaults)
@@ -199,9 +205,14 @@ class FISMO(Optimizer):
                 loss = closure()
         skip = check_grads(self.param_groups)
         owners = _dist.owners(
-            (p for group in self.param_groups if group["algorithm"] == "fismo" for p in group["params"]),
+            (
+                (p, group.get("block_size"))
+                for group in self.param_groups
+                if group["algorithm"] == "fismo"
+                for p in group["params"]
+            ),
             self.process_group,
-            matrix_shape,
+            _direction_cost,
         )
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
@@ -291,20 +302,10 @@ class FISMO(Optimizer):
             buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
         directions = {}
         results = []
-        for (*_, refresh), bucket in buckets.items():
+        for (m, n, *_, refresh), bucket in buckets.items():
             states = [self._matrix_state(core, p, G) for p, G in bucket]
-            if len(bucket) == 1:
-                G_stack = bucket[0][1][None]
-                stacked = FISMOState(
-                    *(states[0][k][None] for k in STATE_KEYS), step=0, **{k: states[0][k][None] for k in COUNTER_KEYS}
-                )
-            else:
-                G_stack = torch.stack([G for _, G in bucket])
-                stacked = FISMOState(
-                    *(torch.stack([s[k] for s in states]) for k in STATE_KEYS),
-                    step=0,
-                    **{k: torch.stack([s[k] for s in states]) for k in COUNTER_KEYS},
-                )
+            G_stack = bucket[0][1][None] if len(bucket) == 1 else torch.stack([G for _, G in bucket])
+            stacked = pack(core, states, m, n)
             # Algorithm 1, lines 4-8, for the whole bucket. The core's step count is
             # not used by the algorithm; each parameter keeps its own in state["step"].
             try:
@@ -312,15 +313,10 @@ class FISMO(Optimizer):
             except InverseRootError as exc:
                 names = ", ".join(self._label(bucket[i][0]) for i in exc.indices)
                 raise InverseRootError(f"{exc}. The failing parameters: {names}", exc.indices) from exc
-            results.append((bucket, states, stacked, D, new))
+            results.append((bucket, states, stacked, D, new, m, n))
         # Every core call has succeeded before any state is written: an error above changes nothing.
-        for bucket, states, stacked, D, new in results:
-            for key in STATE_KEYS + COUNTER_KEYS:
-                new_value = getattr(new, key)
-                if new_value is getattr(stacked, key):  # unchanged (gamma = 1 keeps P, Q and their roots)
-                    continue
-                for i, state in enumerate(states):
-                    state[key].copy_(new_value[i])
+        for bucket, states, stacked, D, new, m, n in results:
+            unpack(core, states, stacked, new, m, n)
             for i, ((p, _), state) in enumerate(zip(bucket, states)):
                 state["step"] += 1
                 directions[p] = D[i]
@@ -336,6 +332,16 @@ class FISMO(Optimizer):
 
     def _matrix_state(self, core: _CoreFISMO, p: torch.Tensor, G: torch.Tensor) -> dict:
         return init_matrix_state(core, self.state[p], G, p.dtype)
+
+
+def _direction_cost(p: torch.Tensor, block_size: Optional[int]) -> float:
+    """The cost model of owner assignment: ``d^3`` per full side, ``k B^3 + r^3`` per blocked one, plus the polar factor."""
+    m, n = matrix_shape(p.shape)
+
+    def side(d: int) -> float:
+        return sum(float(math.prod(s[:-2])) * float(s[-1]) ** 3 for s in factor_structure(d, block_size).part_shapes())
+
+    return side(m) + side(n) + float(m) * n * min(m, n)
 
 
 # ---------------------------------------------------------------- line 9

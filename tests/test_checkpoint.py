@@ -99,7 +99,7 @@ def test_to_dict_and_from_dict_in_memory_and_through_torch_save() -> None:
     for G in grads[:3]:
         W, state = opt.step(W, G, state)
     d = state.to_dict()
-    assert set(d) == {*FISMOState._fields, "fismo_state_format"} and d["step"] == 3
+    assert set(d) == {*FISMOState._fields, "block_size", "fismo_state_format"} and d["step"] == 3
     _assert_same(FISMOState.from_dict(d, like=W), state)
 
     torch = pytest.importorskip("torch")
@@ -159,7 +159,7 @@ def test_counters_may_be_missing() -> None:
 
 
 # ================================================================ the torch adapter
-def _torch_setup(torch, hidden=4, nonfinite="skip"):
+def _torch_setup(torch, hidden=4, nonfinite="skip", block_size=None):
     from fismo_core.backends.torch import FISMO as TorchFISMO
 
     torch.manual_seed(0)
@@ -168,7 +168,7 @@ def _torch_setup(torch, hidden=4, nonfinite="skip"):
         {"params": [model[0].weight, model[2].weight]},
         {"params": [model[0].bias, model[2].bias], "algorithm": "adamw"},
     ]
-    return model, TorchFISMO(groups, lr=0.05, nonfinite=nonfinite)
+    return model, TorchFISMO(groups, lr=0.05, nonfinite=nonfinite, block_size=block_size)
 
 
 def _torch_train(torch, model, opt, seeds) -> None:
@@ -287,6 +287,68 @@ def test_torch_checkpoint_from_before_the_counters_loads() -> None:
     # The FISMO matrices only: torch.optim.AdamW's load_state_dict shares the loaded tensors with
     # the source optimizer (torch's behaviour, kept bit for bit in "adamw" groups), so two live
     # optimizers that shared a state_dict then disturb each other's AdamW state.
+    for layer in (0, 2):
+        assert torch.equal(model[layer].weight, fresh[layer].weight)
+
+
+@pytest.mark.parametrize(
+    "saved_with, load_with",
+    [(3, None), (None, 3), (3, 2)],
+    ids=["blocks-into-full", "full-into-blocks", "other-blocks"],
+)
+def test_torch_checkpoint_with_another_block_size_is_refused(saved_with, load_with) -> None:
+    """Loading a state_dict saved with another ``block_size`` raises a ``ValueError`` naming both
+    values, before anything is loaded: the optimizer keeps its state and groups."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch, block_size=saved_with)
+    _torch_train(torch, model, opt, range(2))
+    saved = opt.state_dict()
+    other_model, other = _torch_setup(torch, block_size=load_with)
+    _torch_train(torch, other_model, other, range(2))
+    before = _snapshot(torch, other)
+    with pytest.raises(
+        ValueError, match=rf"has block_size={load_with!r}, but the checkpoint's group 0 was saved with block_size={saved_with!r}"
+    ):
+        other.load_state_dict(saved)
+    assert _same(torch, before, _snapshot(torch, other))
+
+
+def test_torch_blocked_checkpoint_that_does_not_fit_is_refused() -> None:
+    """A blocked state without its remainder block, or a full state with one, is refused naming the key."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch, block_size=3)  # (4, 5): P is 3 + 1, Q is 3 + 2
+    _torch_train(torch, model, opt, range(2))
+    saved = opt.state_dict()
+    assert saved["state"][0]["P"].shape == (1, 3, 3) and saved["state"][0]["P_rest"].shape == (1, 1)
+    before = _snapshot(torch, opt)
+    with pytest.raises(KeyError, match=r"lacks \['P_rest'\]"):
+        opt.load_state_dict(_edit(saved, 0, "P_rest", None))
+    with pytest.raises(ValueError, match=r"state 'Q_rest' must have shape \(2, 2\); the checkpoint has \(3, 3\)"):
+        opt.load_state_dict(_edit(saved, 0, "Q_rest", torch.zeros(3, 3)))
+    assert _same(torch, before, _snapshot(torch, opt))
+    full_model, full = _torch_setup(torch)
+    _torch_train(torch, full_model, full, range(2))
+    full_saved = full.state_dict()
+    with pytest.raises(ValueError, match=r"remainder blocks \['P_rest'\]"):
+        full.load_state_dict(_edit(full_saved, 0, "P_rest", torch.zeros(1, 1)))
+
+
+def test_torch_checkpoint_from_before_block_size_loads_as_full() -> None:
+    """A state_dict whose groups have no ``block_size`` key (saved before it existed) loads into an
+    optimizer with full factors and goes on bit for bit."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch)
+    _torch_train(torch, model, opt, range(2))
+    saved = opt.state_dict()
+    old = {"state": saved["state"], "param_groups": [{k: v for k, v in g.items() if k != "block_size"} for g in saved["param_groups"]]}
+    buffer = io.BytesIO()
+    torch.save(old, buffer)
+    buffer.seek(0)
+    fresh, opt_f = _torch_setup(torch)
+    fresh.load_state_dict(model.state_dict())
+    opt_f.load_state_dict(torch.load(buffer, weights_only=True))
+    _torch_train(torch, fresh, opt_f, [3, 4])
+    _torch_train(torch, model, opt, [3, 4])
     for layer in (0, 2):
         assert torch.equal(model[layer].weight, fresh[layer].weight)
 
