@@ -694,7 +694,9 @@ def test_torch_compile_of_a_training_step():
 # ----------------------------------------------------------------- block-diagonal factors
 #: Blocked torch steps against the NumPy float64 core on the same gradients, relative error of
 #: the parameters and of every state part over 10 steps. float64: different BLAS/LAPACK rounding
-#: only (measured 2.0e-16 parameters, 1.1e-15 states); the project's float64 bar
+#: only (measured 2.0e-16 parameters, 1.1e-15 states; with amortised Newton–Schulz roots and
+#: scale-invariant statistics 1.6e-16 and 4.6e-16; with a skipped NaN and the SVD polar factor
+#: 1.7e-16 and 1.0e-15); the project's float64 bar
 #: (fismo_core.testing.TOLERANCES). float32: float32 rounding (6e-8) amplified by eigh and
 #: Newton–Schulz (measured 1.7e-7 and 3.9e-7); the project's float32 bar. A wrong block layout
 #: (a block of the wrong rows, a remainder dropped) is an O(1) error in P or Q.
@@ -704,8 +706,17 @@ BLOCK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
 BLOCK_SHAPES = [(10, 7), (10, 7), (8, 12), (6, 2, 3, 3)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-def test_blocked_steps_equal_the_numpy_core(dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("dtype", "options"),
+    [
+        (torch.float64, {}),
+        (torch.float32, {}),
+        (torch.float64, {"inv_root": {"method": "newton_schulz", "every": 2}, "statistics": "scale_invariant"}),
+        (torch.float64, {"nonfinite": "skip", "polar": "svd"}),
+    ],
+    ids=["float64", "float32", "float64-amortised-ns-roots-scale-invariant", "float64-skip-nan-svd"],
+)
+def test_blocked_steps_equal_the_numpy_core(dtype, options, monkeypatch):
     """``block_size`` in a torch group: parameters and every state part follow the NumPy float64 core
     with the same ``block_size`` on the same gradients; same-shape matrices still share one core call."""
     from fismo_core.kronecker import Blocks
@@ -713,8 +724,9 @@ def test_blocked_steps_equal_the_numpy_core(dtype, monkeypatch):
     gen = torch.Generator().manual_seed(4)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in BLOCK_SHAPES]
     lr, wd = 0.03, 0.05
-    opt = FISMO(params, lr=lr, weight_decay=wd, nesterov=True, block_size=4)
-    core = CoreFISMO(lr=lr, weight_decay=wd, nesterov=True, block_size=4)
+    opt = FISMO(params, lr=lr, weight_decay=wd, nesterov=True, block_size=4, **options)
+    core = CoreFISMO(lr=lr, weight_decay=wd, nesterov=True, block_size=4, **options)
+    skip = options.get("nonfinite") == "skip"
     ref = [p.detach().double().numpy().reshape(p.shape[0], -1).copy() for p in params]
     states = [core.init(W) for W in ref]
     calls = []
@@ -725,14 +737,17 @@ def test_blocked_steps_equal_the_numpy_core(dtype, monkeypatch):
         lambda self, G, state, **kwargs: calls.append(tuple(G.shape)) or original(self, G, state, **kwargs),
     )
     worst = 0.0
-    for _ in range(10):
+    for t in range(10):
         for j, p in enumerate(params):
             p.grad = (0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64) + 0.02 * p.detach().double()).to(dtype)
+            if skip and t == 3 and j == 1:  # one NaN: this matrix skips the step, in torch and in the core
+                p.grad[0, 0] = math.nan
             ref[j], states[j] = core.step(ref[j], p.grad.double().numpy().reshape(ref[j].shape), states[j])
         calls.clear()
         opt.step()
         # One torch core call per shape (the NumPy reference runs core.step, which is not recorded).
-        assert sorted(calls) == sorted([(2, 10, 7), (1, 8, 12), (1, 6, 18)])
+        bucket = 1 if skip and t == 3 else 2
+        assert sorted(calls) == sorted([(bucket, 10, 7), (1, 8, 12), (1, 6, 18)])
         for j, p in enumerate(params):
             worst = max(worst, _rel(p.detach().reshape(ref[j].shape), ref[j]))
     assert worst <= BLOCK_TOLERANCE[dtype], worst
@@ -747,6 +762,7 @@ def test_blocked_steps_equal_the_numpy_core(dtype, monkeypatch):
             else:
                 assert _rel(state[f"{name}_rest"], value.rest) <= BLOCK_TOLERANCE[dtype], (j, name)
         assert _rel(state["M"], ref_state.M) <= BLOCK_TOLERANCE[dtype]
+        assert state["skipped"].item() == int(ref_state.skipped) == (1 if skip and j == 1 else 0)
     state = opt.state[params[0]]  # (10, 7) with B = 4: P is 2 blocks + a 2x2 rest, Q 1 block + a 3x3 rest
     assert state["P"].shape == (2, 4, 4) and state["P_rest"].shape == (2, 2)
     assert state["Q"].shape == (1, 4, 4) and state["Q_rest"].shape == (3, 3)
