@@ -1,122 +1,644 @@
 """``fismo verify``: FISMO on every installed backend, device and dtype, against NumPy float64.
 
-For each shape of `fismo_core.testing.VERIFY_SHAPES` a seeded 50-step
-trajectory runs on the reference (NumPy, float64) and on every available
-target. The error of a target is the worst, over steps and shapes, of the
-relative Frobenius errors of ``W_t - W_0``, ``P_t``, ``Q_t``, ``M_t`` and the
-cached roots ``P_t^{-1/2}``, ``Q_t^{-1/2}``. A target that raises is a failure.
+The verification runs *streams*: a starting point ``W_0`` and a sequence of
+gradients ``G_1 .. G_T``. There are two kinds:
+
+- seeded Gaussian streams (`gaussian_streams`), one per shape of
+  `fismo_core.testing.VERIFY_SHAPES`, ``--steps`` long (default 50): full
+  rank, anisotropic, so that ``P`` and ``Q`` move far from the identity;
+- gradients recorded from the demo's real models (`recorded_streams`, package
+  data ``fismo_core/data/gradients.npz``): a classifier head (rank-deficient),
+  a convolution, and a transformer's attention, output projection and MLP
+  matrices, 16 steps each (or ``--steps`` if fewer).
+
+Each stream runs once on NumPy float64 (the reference, or read from a
+reference file) and once on every available target, with `FISMO.step_lines`,
+which returns every quantity of Algorithm 1 at every step. Each quantity
+(line 4 ``P``, line 5 ``Q``, the roots, line 6 ``G~``, line 7 ``M``, line 8
+the direction, line 9 ``W``, as ``W_t - W_0``) is compared by its relative
+Frobenius error, per matrix and worst over a batch. A target fails when any
+error exceeds the tolerance of its dtype; the report then names the first
+stream, step and line of Algorithm 1 where that happened.
+
+A reference can be saved (`Reference.save`, ``fismo verify --save PATH``)
+and checked against later on another machine (`Reference.load`,
+``fismo verify --against PATH``); the file format is described in
+`Reference` and in ``docs/verification.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import json
 import math
 import sys
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, TextIO
+from pathlib import Path
+from typing import Any, Optional, TextIO
 
-from .optimizer import FISMO
+from . import __version__
+from .optimizer import FISMO, InverseRootConfig, PolarConfig
 from .testing import (
     VERIFY_SHAPES,
+    Report,
+    Result,
     Target,
-    max_relative_error,
-    pin_full_float32_matmuls,
+    full_float32_matmuls,
     reference_gradients,
-    run_trajectory,
+    relative_errors,
     targets,
     to_numpy,
 )
 
-__all__ = ["VerifyResult", "verify", "main"]
+__all__ = [
+    "LINES",
+    "Reference",
+    "ReferenceFileError",
+    "Stream",
+    "VerifyResult",
+    "format_table",
+    "gaussian_streams",
+    "main",
+    "recorded_streams",
+    "run_stream",
+    "verify",
+]
+
+LINES: dict[str, str] = {
+    "P": "line 4 P",
+    "P_inv_sqrt": "root P^-1/2",
+    "Q": "line 5 Q",
+    "Q_inv_sqrt": "root Q^-1/2",
+    "G_white": "line 6 G~",
+    "M": "line 7 M",
+    "direction": "line 8 direction",
+    "W": "line 9 W",
+}
+"""The quantities compared at every step (`fismo_core.optimizer.StepLines` fields) and how the report
+names them, in the order Algorithm 1 computes them: ``P_t`` (line 4), its root, ``Q_t`` (line 5, which
+uses ``P_t^{-1}``), its root, then lines 6 to 9. The first one that leaves its tolerance is where a
+backend parted from the reference; everything after it depends on it. ``W`` is compared as ``W_t - W_0``."""
+
+QUANTITIES: tuple[str, ...] = tuple(LINES)
+
+VerifyResult = Result
+"""The outcome of one target (a `fismo_core.testing.Result`; ``where`` is ``"stream step t: line"``)."""
+
+FORMAT_NAME = "fismo-verify-reference"
+FORMAT_VERSION = 1
+"""The reference file format this version writes and reads."""
 
 
+# ------------------------------------------------------------------ streams
 @dataclass(frozen=True)
-class VerifyResult:
-    """The outcome for one target: ``error`` is ``None`` when it was skipped."""
+class Stream:
+    """A starting point ``W0`` ``(..., m, n)`` and gradients ``G`` ``(steps, ..., m, n)``, NumPy float64."""
 
-    target: Target
-    steps: int
-    error: Optional[float]
-    exception: Optional[str] = None
+    name: str
+    W0: Any
+    G: Any
+    description: str = ""
 
     @property
-    def passed(self) -> Optional[bool]:
-        return None if self.error is None else self.error <= self.target.tolerance
+    def steps(self) -> int:
+        return int(self.G.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.W0.shape)
 
 
-def _trajectory_errors(optimizer: FISMO, target: Target, steps: int, seed: int) -> float:
+def gaussian_streams(steps: int, seed: int = 0) -> list[Stream]:
+    """One seeded stream per shape of `VERIFY_SHAPES` (`reference_gradients`, ``W_0`` standard normal)."""
     import numpy as np
 
-    worst = 0.0
+    out = []
     for k, shape in enumerate(VERIFY_SHAPES):
-        gradients = reference_gradients(shape, steps, seed=seed + k)
+        G = np.stack(reference_gradients(shape, steps, seed=seed + k))
         W0 = np.random.default_rng(seed + 1000 + k).standard_normal(shape)
-        reference = run_trajectory(optimizer, W0, gradients, lambda a: np.asarray(a, dtype=np.float64))
-        candidate = run_trajectory(optimizer, W0, gradients, target.asarray)
-        for (W_ref, s_ref), (W, s) in zip(reference, candidate):
-            worst = max(
-                worst,
-                max_relative_error(to_numpy(W) - W0, W_ref - W0),
-                max_relative_error(s.P, s_ref.P),
-                max_relative_error(s.Q, s_ref.Q),
-                max_relative_error(s.M, s_ref.M),
-                max_relative_error(s.P_inv_sqrt, s_ref.P_inv_sqrt),
-                max_relative_error(s.Q_inv_sqrt, s_ref.Q_inv_sqrt),
-            )
-    return worst
+        name = "gauss." + "x".join(map(str, shape))
+        out.append(Stream(name, W0, G, "seeded anisotropic Gaussian gradients (fismo_core.testing.reference_gradients)"))
+    return out
 
 
-def verify(*, steps: int = 50, seed: int = 0, optimizer: Optional[FISMO] = None) -> list[VerifyResult]:
-    """Run the verification trajectory on every target; unavailable ones come back with ``error=None``."""
+def recorded_streams(steps: Optional[int] = None) -> list[Stream]:
+    """The gradient streams recorded from the demo's models (package data), the first ``steps`` of each.
+
+    See ``fismo_core/data/record_gradients.py`` for how they were recorded.
+    """
+    import importlib.resources
+
+    import numpy as np
+
+    from .data import GRADIENTS_FILE
+
+    resource = importlib.resources.files("fismo_core.data").joinpath(GRADIENTS_FILE)
+    with importlib.resources.as_file(resource) as path, np.load(path, allow_pickle=False) as f:
+        manifest = json.loads(str(f["manifest"]))
+        out = []
+        for name, info in manifest["streams"].items():
+            G = np.asarray(f[f"{name}/G"], dtype=np.float64)[:steps]
+            W0 = np.asarray(f[f"{name}/W0"], dtype=np.float64)
+            params = ", ".join(info["parameters"])
+            out.append(Stream(name, W0, G, f"recorded from the demo's {info['task']} model: {params}"))
+    return sorted(out, key=lambda s: s.name)
+
+
+def default_streams(steps: int = 50, seed: int = 0) -> list[Stream]:
+    """What ``fismo verify`` runs: the Gaussian streams (``steps`` long) and the recorded ones (at most ``steps``)."""
+    return gaussian_streams(steps, seed) + recorded_streams(steps)
+
+
+# ------------------------------------------------------------- running
+class _StreamError(Exception):
+    def __init__(self, step: int, exc: BaseException) -> None:
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.step = step
+
+
+def _dense(factor: Any) -> Any:
+    if isinstance(factor, tuple):  # a kronecker.Blocks (block_size): compare the block-diagonal matrix
+        from .kronecker import to_dense
+
+        return to_dense(factor)
+    return factor
+
+
+class _JaxStepper:
+    """``optimizer.step_lines`` for one JAX target, compiled ahead of time once per shape.
+
+    `precompile` starts compiling every shape in a background thread: XLA
+    compiles with Python's lock released, so on a machine with two cores the
+    compilations (most of the JAX rows' time) run while the other backends
+    are being checked.
+    """
+
+    def __init__(self, optimizer: FISMO, target: Target) -> None:
+        import jax
+
+        self.target = target
+        self.optimizer = optimizer
+        self.jitted = jax.jit(optimizer.step_lines)
+        self.compiled: dict[tuple[int, ...], Any] = {}
+
+    def _compile(self, shape: tuple[int, ...]) -> Any:
+        import numpy as np
+
+        W = self.target.asarray(np.zeros(shape))
+        state = _traced_step(self.optimizer.init(W))
+        return self.jitted.lower(W, W, state).compile()
+
+    def precompile(self, shapes: Sequence[tuple[int, ...]], pool: Any) -> None:
+        for shape in dict.fromkeys(shapes):
+            if shape not in self.compiled:
+                self.compiled[shape] = pool.submit(self._compile, shape)
+
+    def __call__(self, W: Any, G: Any, state: Any) -> Any:
+        shape = tuple(W.shape)
+        if shape not in self.compiled:
+            self.compiled[shape] = self._compile(shape)
+        compiled = self.compiled[shape]
+        if hasattr(compiled, "result"):  # a future of the background compilation
+            compiled = self.compiled[shape] = compiled.result()
+        return compiled(W, G, state)
+
+
+def _traced_step(state: Any) -> Any:
+    """A JAX state whose step count is already an array, as after a jitted step (one compilation, not two)."""
+    import jax.numpy as jnp
+
+    return state._replace(step=jnp.asarray(state.step))
+
+
+_JAX_STEPPERS: dict[tuple[FISMO, str], _JaxStepper] = {}
+"""Compiled JAX steps by (optimizer, target id), so that repeated verifications in one process compile once."""
+
+
+def _stepper(optimizer: FISMO, target: Optional[Target]) -> Callable[..., Any]:
+    """``optimizer.step_lines``; for JAX targets compiled ahead of time, once per shape (see ``docs/verification.md``)."""
+    if target is None or target.backend != "jax":
+        return optimizer.step_lines
+    key = (optimizer, target.id)
+    if key not in _JAX_STEPPERS:
+        _JAX_STEPPERS[key] = _JaxStepper(optimizer, target)
+    return _JAX_STEPPERS[key]
+
+
+def run_stream(
+    optimizer: FISMO, stream: Stream, asarray: Callable[[Any], Any], stepper: Optional[Callable[..., Any]] = None
+) -> dict[str, Any]:
+    """Run ``stream`` and return every quantity of `LINES` at every step, as NumPy float64 ``(steps, ...)``.
+
+    ``asarray`` converts NumPy data to the backend under test. Values stay on
+    the backend until the stream ends (no host round trip per step, except
+    for JAX, whose arrays are copied to NumPy one by one to avoid compiling a
+    stacking program per shape).
+    """
+    import numpy as np
+    from array_api_compat import array_namespace, is_jax_array
+
+    stepper = optimizer.step_lines if stepper is None else stepper
+    W = asarray(stream.W0)
+    state = optimizer.init(W)
+    if is_jax_array(W):  # a traced step count from the start: jax.jit compiles once, not twice
+        state = _traced_step(state)
+    collected: dict[str, list[Any]] = {q: [] for q in QUANTITIES}
+    for t in range(stream.steps):
+        try:
+            W, state, lines = stepper(W, asarray(stream.G[t]), state)
+        except Exception as exc:
+            raise _StreamError(t + 1, exc) from exc
+        for q in QUANTITIES:
+            collected[q].append(_dense(getattr(lines, q)))
+    if is_jax_array(W):
+        return {q: np.stack([to_numpy(v) for v in values]) for q, values in collected.items()}
+    xp = array_namespace(W)
+    return {q: to_numpy(xp.stack(values)) for q, values in collected.items()}
+
+
+def line_errors(got: Mapping[str, Any], reference: Mapping[str, Any], W0: Any) -> Any:
+    """Relative errors ``(steps, len(QUANTITIES))``: per step and quantity, worst over a batch."""
+    import numpy as np
+
+    steps = reference["W"].shape[0]
+    out = np.empty((steps, len(QUANTITIES)))
+    for i, q in enumerate(QUANTITIES):
+        g, r = np.asarray(got[q]), np.asarray(reference[q])
+        if g.shape != r.shape:
+            raise ValueError(f"{LINES[q]} has shape {g.shape[1:]}, the reference {r.shape[1:]}")
+        if q == "W":
+            g, r = g - W0, r - W0
+        out[:, i] = relative_errors(g, r).reshape(steps, -1).max(axis=1)
+    return out
+
+
+# ----------------------------------------------------------- reference
+class ReferenceFileError(ValueError):
+    """A reference file that cannot be used: missing, damaged, foreign or incompatible (one-line message)."""
+
+
+def _config_of(optimizer: FISMO) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(optimizer)))
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def optimizer_from_config(config: Mapping[str, Any]) -> FISMO:
+    """Build the `FISMO` a reference was made with; ``ValueError`` if this version cannot build the same one."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"the configuration is a {type(config).__name__}, not a mapping")
+    fields = {f.name for f in dataclasses.fields(FISMO)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ValueError(f"unknown FISMO option(s) {', '.join(unknown)}")
+    kwargs = {}
+    for key, value in config.items():
+        if key == "polar":
+            value = PolarConfig(**{k: _tuples(v) for k, v in value.items()})
+        elif key == "inv_root":
+            value = InverseRootConfig(**{k: _tuples(v) for k, v in value.items()})
+        kwargs[key] = _tuples(value)
+    optimizer = FISMO(**kwargs)
+    if _config_of(optimizer) != json.loads(json.dumps(config)):
+        raise ValueError("it builds a different optimizer here (options missing or changed meaning)")
+    return optimizer
+
+
+def _checksum(arrays: Mapping[str, Any]) -> str:
+    import numpy as np
+
+    h = hashlib.sha256()
+    for key in sorted(arrays):
+        a = np.ascontiguousarray(arrays[key], dtype="<f8")
+        h.update(f"{key}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass
+class Reference:
+    """The NumPy float64 reference: the streams (inputs) and every step's `LINES` (outputs).
+
+    **File format** (version 1): a NumPy ``.npz`` archive (a zip of ``.npy``
+    arrays) with
+
+    - ``manifest``: a 0-d string array holding JSON: ``format``
+      (``"fismo-verify-reference"``), ``format_version`` (1),
+      ``library_version`` (the ``fismo`` that wrote it), ``numpy``,
+      ``config`` (the `FISMO` options, ``dataclasses.asdict``), ``steps`` and
+      ``seed`` (of the Gaussian streams), ``quantities`` (`LINES`' keys, in
+      order), ``streams`` (name, shape, steps and description of each, in
+      order) and ``checksum``;
+    - for each stream ``S``: ``S/W0`` ``(..., m, n)``, ``S/G``
+      ``(steps, ..., m, n)`` and, for each quantity ``q``, ``S/q``
+      ``(steps, ...)``: ``P`` ``(steps, ..., m, m)``, ..., ``W`` (``W_t``
+      itself), all float64.
+
+    ``checksum`` is ``"sha256:"`` and the SHA-256 of, for every array but
+    the manifest in sorted key order, ``f"{key}|{shape}|"`` (UTF-8) followed
+    by its little-endian float64 bytes.
+    """
+
+    config: dict[str, Any]
+    steps: int
+    seed: int
+    streams: list[Stream]
+    outputs: dict[str, dict[str, Any]]
+    library_version: str = __version__
+
+    @classmethod
+    def compute(cls, optimizer: FISMO, streams: Sequence[Stream], *, steps: int, seed: int) -> "Reference":
+        """Run every stream on NumPy float64."""
+        import numpy as np
+
+        def numpy64(a: Any) -> Any:
+            return np.asarray(a, dtype=np.float64)
+
+        outputs = {s.name: run_stream(optimizer, s, numpy64) for s in streams}
+        return cls(_config_of(optimizer), steps, seed, list(streams), outputs)
+
+    def optimizer(self) -> FISMO:
+        """The `FISMO` this reference was made with."""
+        return optimizer_from_config(self.config)
+
+    @property
+    def checksum(self) -> str:
+        """``"sha256:..."`` of the arrays, as in the file's manifest."""
+        return _checksum(self._arrays())
+
+    def _arrays(self) -> dict[str, Any]:
+        arrays = {}
+        for s in self.streams:
+            arrays[f"{s.name}/W0"] = s.W0
+            arrays[f"{s.name}/G"] = s.G
+            for q in QUANTITIES:
+                arrays[f"{s.name}/{q}"] = self.outputs[s.name][q]
+        return arrays
+
+    def save(self, path: str | Path) -> str:
+        """Write the reference file; return its checksum."""
+        import numpy as np
+
+        arrays = self._arrays()
+        checksum = _checksum(arrays)
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library_version": self.library_version,
+            "numpy": np.__version__,
+            "config": self.config,
+            "steps": self.steps,
+            "seed": self.seed,
+            "quantities": list(QUANTITIES),
+            "streams": [
+                {"name": s.name, "shape": list(s.shape), "steps": s.steps, "description": s.description}
+                for s in self.streams
+            ],
+            "checksum": checksum,
+        }
+        with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name without it
+            np.savez_compressed(f, manifest=np.array(json.dumps(manifest)), **arrays)
+        return checksum
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Reference":
+        """Read and check a reference file; `ReferenceFileError` (one line) if it cannot be used."""
+        import numpy as np
+
+        path = Path(path)
+        if not path.exists():
+            raise ReferenceFileError(f"reference file {path} does not exist")
+        if not path.is_file():
+            raise ReferenceFileError(f"reference file {path} is not a file")
+        try:
+            if not zipfile.is_zipfile(path):
+                raise ReferenceFileError(f"{path} is not a fismo verify reference file (not an .npz archive)")
+            with np.load(path, allow_pickle=False) as f:
+                if "manifest" not in f.files:
+                    raise ReferenceFileError(f"{path} is not a fismo verify reference file (no manifest)")
+                try:
+                    manifest = json.loads(str(f["manifest"]))
+                except (ValueError, TypeError) as exc:
+                    raise ReferenceFileError(f"{path} is not a fismo verify reference file (unreadable manifest)") from exc
+                if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+                    raise ReferenceFileError(f"{path} is not a fismo verify reference file (format is not {FORMAT_NAME!r})")
+                version = manifest.get("format_version")
+                if version != FORMAT_VERSION:
+                    raise ReferenceFileError(
+                        f"{path} has reference format version {version!r}; fismo {__version__} reads version "
+                        f"{FORMAT_VERSION} (make a new reference with this version: fismo verify --save)"
+                    )
+                try:
+                    stream_info = manifest["streams"]
+                    quantities = tuple(manifest["quantities"])
+                    checksum = manifest["checksum"]
+                    steps, seed, config = int(manifest["steps"]), int(manifest["seed"]), manifest["config"]
+                    lib = str(manifest["library_version"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise ReferenceFileError(f"{path} is damaged: its manifest lacks {exc}") from exc
+                if quantities != QUANTITIES:
+                    raise ReferenceFileError(
+                        f"{path} is incompatible: it compares {', '.join(quantities)}; this version compares "
+                        f"{', '.join(QUANTITIES)}"
+                    )
+                names = [s["name"] for s in stream_info]
+                expected = {f"{n}/{k}" for n in names for k in ("W0", "G", *QUANTITIES)}
+                missing = sorted(expected - set(f.files))
+                if missing:
+                    raise ReferenceFileError(f"{path} is damaged: arrays missing ({', '.join(missing[:3])}...)")
+                arrays = {k: np.asarray(f[k], dtype=np.float64) for k in sorted(expected)}
+        except ReferenceFileError:
+            raise
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as exc:
+            raise ReferenceFileError(f"{path} is damaged: {type(exc).__name__}: {exc}") from exc
+        if _checksum(arrays) != checksum:
+            raise ReferenceFileError(f"{path} is damaged: its checksum does not match its contents")
+        try:
+            optimizer_from_config(config)
+        except (TypeError, ValueError) as exc:
+            raise ReferenceFileError(
+                f"{path} is incompatible: its FISMO configuration cannot be built by fismo {__version__} ({exc})"
+            ) from exc
+        streams = [
+            Stream(s["name"], arrays[f"{s['name']}/W0"], arrays[f"{s['name']}/G"], s.get("description", ""))
+            for s in stream_info
+        ]
+        outputs = {s.name: {q: arrays[f"{s.name}/{q}"] for q in QUANTITIES} for s in streams}
+        return cls(config, steps, seed, streams, outputs, library_version=lib)
+
+
+# --------------------------------------------------------------- verify
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The BLAS and OpenMP pools of NumPy and torch on one thread while verifying (restored after).
+
+    The matrices are at most 72 wide: thread pools gain nothing on them, and
+    their spinning workers made verification several times slower on a
+    2-core machine (torch: 17 s against 1.3 s; NumPy's OpenBLAS on the 48- and
+    64-wide factors: 4 s against 1 s; measured with other work running).
+    Results do not depend on it. NumPy's OpenBLAS is reached through
+    ``threadpoolctl`` when it is installed (it comes with scikit-learn).
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            pass
+        else:
+            stack.enter_context(threadpool_limits(limits=1))
+        try:
+            import torch
+        except ImportError:
+            pass
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
+        yield
+
+
+def _verify_target(
+    optimizer: FISMO, target: Target, reference: Reference, stepper: Optional[Callable[..., Any]] = None
+) -> Result:
+    import numpy as np
+
+    tolerance = target.tolerance
+    worst = 0.0
+    first: Optional[tuple[str, int, int, Any]] = None
+    stepper = _stepper(optimizer, target) if stepper is None else stepper
+    for stream in reference.streams:
+        try:
+            got = run_stream(optimizer, stream, target.asarray, stepper)
+        except _StreamError as exc:
+            return Result(target, math.inf, tolerance, exception=str(exc), where=f"{stream.name} step {exc.step}",
+                          steps=reference.steps)
+        errors = line_errors(got, reference.outputs[stream.name], stream.W0)
+        worst = max(worst, float(errors.max(initial=0.0)))
+        if first is None:
+            bad = np.argwhere(~(errors <= tolerance))  # row-major: the first step, then its first line
+            if bad.size:
+                t, q = bad[0]
+                first = (stream.name, int(t), int(q), errors[t])
+    if first is None:
+        return Result(target, worst, tolerance, steps=reference.steps)
+    name, t, q, row = first
+    details = {LINES[k]: float(e) for k, e in zip(QUANTITIES, row)}
+    return Result(target, worst, tolerance, where=f"{name} step {t + 1}: {LINES[QUANTITIES[q]]}",
+                  steps=reference.steps, details=details)
+
+
+def verify(
+    *,
+    steps: int = 50,
+    seed: int = 0,
+    optimizer: Optional[FISMO] = None,
+    reference: Optional[Reference] = None,
+    streams: Optional[Sequence[Stream]] = None,
+) -> Report:
+    """Check every target against the NumPy float64 reference; unavailable ones come back with ``error=None``.
+
+    Without ``reference``, it is computed here from ``streams`` (default
+    `default_streams` of ``steps`` and ``seed``) with ``optimizer``
+    (default ``FISMO()``). With ``reference`` (e.g. `Reference.load`), its
+    streams are run with ``optimizer`` or, by default, the optimizer the
+    reference was made with.
+    """
     try:
         import numpy  # noqa: F401
     except ImportError as exc:
         raise RuntimeError("fismo verify needs NumPy, the reference backend: pip install 'fismo[numpy]'") from exc
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    optimizer = optimizer or FISMO()
-    pin_full_float32_matmuls()
-    results = []
-    for target in targets():
-        if not target.available:
-            results.append(VerifyResult(target, steps, None))
-            continue
-        try:
-            error = _trajectory_errors(optimizer, target, steps, seed)
-        except Exception as exc:  # a backend that crashes is a failure of that row, not of the run
-            results.append(VerifyResult(target, steps, math.inf, f"{type(exc).__name__}: {exc}"))
+    report = Report()
+    with full_float32_matmuls(), _one_thread(), ThreadPoolExecutor(max_workers=1) as pool:
+        if reference is None:
+            optimizer = optimizer or FISMO()
+            chosen = default_streams(steps, seed) if streams is None else list(streams)
         else:
-            results.append(VerifyResult(target, steps, error))
-    return results
+            optimizer = optimizer or reference.optimizer()
+            chosen = reference.streams
+        steppers: dict[str, Any] = {}
+        for target in targets():
+            if target.available and target.backend == "jax":  # compile while the other backends run
+                try:
+                    steppers[target.id] = stepper = _stepper(optimizer, target)
+                    stepper.precompile([s.shape for s in chosen], pool)
+                except Exception:  # reported by the target's own run below
+                    steppers.pop(target.id, None)
+        if reference is None:
+            reference = Reference.compute(optimizer, chosen, steps=steps, seed=seed)
+        for target in targets():
+            if not target.available:
+                report.append(Result(target, None, target.tolerance))
+                continue
+            try:
+                report.append(_verify_target(optimizer, target, reference, steppers.get(target.id)))
+            except Exception as exc:  # anything else a backend raises fails its row, not the run
+                report.append(Result(target, math.inf, target.tolerance, exception=f"{type(exc).__name__}: {exc}",
+                                     steps=reference.steps))
+    report.reference = reference  # type: ignore[attr-defined]
+    return report
 
 
-def format_table(results: list[VerifyResult]) -> str:
-    """The results as a fixed-width text table."""
-    header = ("backend", "device", "dtype", "steps", "max rel. error", "tolerance", "result")
-    rows = []
-    for r in results:
-        t = r.target
-        if r.error is None:
-            rows.append((t.backend, t.device, t.dtype, "-", "-", f"{t.tolerance:.0e}", f"skipped: {t.reason}"))
-        else:
-            verdict = "pass" if r.passed else ("FAIL" if r.exception is None else f"FAIL ({r.exception})")
-            rows.append((t.backend, t.device, t.dtype, str(r.steps), f"{r.error:.2e}", f"{t.tolerance:.0e}", verdict))
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+def format_table(results: Sequence[Result]) -> str:
+    """The results as the fixed-width text table of ``fismo verify``."""
+    return Report(results).table()
+
+
+def _describe(reference: Reference) -> str:
     lines = []
-    for row in [header, *rows]:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
-        if row is header:
-            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1]))
+    for s in reference.streams:
+        lines.append(f"  {s.name:<16s} {'x'.join(map(str, s.shape)):<10s} {s.steps:>3d} steps  {s.description}")
     return "\n".join(lines)
 
 
-def main(*, steps: int = 50, seed: int = 0, out: Optional[TextIO] = None) -> int:
-    """Print the verification table to ``out`` (standard output); return 0 if every available target passed, 1 otherwise."""
+def main(
+    *,
+    steps: int = 50,
+    seed: int = 0,
+    save: Optional[str] = None,
+    against: Optional[str] = None,
+    explain: bool = False,
+    out: Optional[TextIO] = None,
+    err: Optional[TextIO] = None,
+) -> int:
+    """``fismo verify``: print the table; return 0 if every available target passed, 1 if not, 2 for a bad reference file."""
     out = sys.stdout if out is None else out
-    results = verify(steps=steps, seed=seed)
-    print(f"FISMO verification: {steps}-step seeded trajectories on shapes "
-          f"{', '.join('x'.join(map(str, s)) for s in VERIFY_SHAPES)}, against NumPy float64\n", file=out)
-    print(format_table(results), file=out)
-    ran = [r for r in results if r.error is not None]
-    failed = [r for r in ran if not r.passed]
-    print(f"\n{len(ran) - len(failed)} passed, {len(failed)} failed, {len(results) - len(ran)} skipped", file=out)
-    return 1 if failed or not ran else 0
+    err = sys.stderr if err is None else err
+    if against is not None:
+        try:
+            reference = Reference.load(against)
+        except ReferenceFileError as exc:
+            print(f"fismo verify: {exc}", file=err)
+            return 2
+        print(f"FISMO verification against {against} ({reference.checksum}, made by fismo "
+              f"{reference.library_version}; this is fismo {__version__}):", file=out)
+        report = verify(steps=reference.steps, seed=reference.seed, reference=reference)
+    else:
+        report = verify(steps=steps, seed=seed)
+        reference = report.reference  # type: ignore[attr-defined]
+        print("FISMO verification against NumPy float64, FISMO() defaults:", file=out)
+    print(_describe(reference) + "\n", file=out)
+    print(report.table(), file=out)
+    if explain and report.failed:
+        print("\nPer-line relative errors at the first failure of each failed target:\n", file=out)
+        print(report.explain(), file=out)
+    print(f"\n{report.summary()}", file=out)
+    if save is not None:
+        try:
+            checksum = reference.save(save)
+        except OSError as exc:
+            print(f"fismo verify: cannot write {save}: {exc}", file=err)
+            return 2
+        print(f"wrote the reference to {save} ({checksum})", file=out)
+    return 0 if report.ok else 1

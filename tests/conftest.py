@@ -44,18 +44,15 @@ def xp(target: Target):
 
 @pytest.fixture(scope="module")
 def single_threaded_torch():
-    """torch on one thread for a module of tiny-matrix tests, restored afterwards.
+    """torch (and NumPy's BLAS) on one thread for a module of small-matrix tests, restored afterwards.
 
     On a busy 2-core machine (XLA's thread pool is alive once JAX has run)
-    torch's spinning OpenMP workers made single tests 10-100x slower; the
+    torch's spinning OpenMP workers made single tests 10-100x slower, and
+    OpenBLAS's did the same to NumPy's 48- and 64-wide ``eigh``; the
     arithmetic of these small products does not depend on the thread count.
+    NumPy's BLAS is reached through ``threadpoolctl`` when it is installed.
     """
-    try:
-        import torch
-    except ImportError:
+    from fismo_core.verify import _one_thread
+
+    with _one_thread():
         yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -1,83 +1,148 @@
-"""``fismo verify`` (``fismo_core.verify`` and ``python -m fismo_core verify``).
+"""``fismo verify`` (``fismo_core.verify`` and the ``fismo`` command line).
 
 The 50-step cross-backend equivalence itself is tested array by array in
 ``tests/test_backends.py``; here the runs are short (a few steps) and the
-subject is the tool: results per target, the table, exit codes, and that a
-real discrepancy between backends is reported as FAIL.
+subject is the tool: the streams (Gaussian and recorded), results per target,
+the table, exit codes, failures located to a step and line of Algorithm 1,
+reference files (save, load, every refusal) and ``--version``.
+
+Cost: the JAX rows compile one step per shape and dtype; the compiled steps
+are cached per optimizer in the process, so the in-process tests share them
+and only one test starts a subprocess for the real entry point.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
-import os
+import json
 import re
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from array_api_compat import array_namespace, is_numpy_namespace
 
+import fismo_core
 import fismo_core.verify as verify_mod
-from fismo_core import FISMO, PolarConfig
+from fismo_core import FISMO, InverseRootConfig, PolarConfig
 from fismo_core.cli import main as cli_main
-from fismo_core.testing import TOLERANCES, targets
-from fismo_core.verify import VerifyResult, format_table, verify
+from fismo_core.testing import TOLERANCES, VERIFY_SHAPES, targets
+from fismo_core.verify import (
+    LINES,
+    QUANTITIES,
+    Reference,
+    ReferenceFileError,
+    Stream,
+    default_streams,
+    format_table,
+    recorded_streams,
+    verify,
+)
 
-STEPS = 3  # short trajectories: every line of Algorithm 1 runs, P and Q move, cheap
+STEPS = 3  # short streams: every line of Algorithm 1 runs, P and Q move, cheap
 COLUMNS = ("backend", "device", "dtype", "steps", "max rel. error", "tolerance", "result")
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed, (\d+) skipped$", re.MULTILINE)
 AVAILABLE = [t for t in targets() if t.available]
 UNAVAILABLE = [t for t in targets() if not t.available]
-
+RECORDED = {"digits.head", "digits.conv2", "gpt.attn", "gpt.proj", "gpt.fc_out"}
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
 @pytest.fixture(scope="module")
-def results() -> list[VerifyResult]:
+def results():
     return verify(steps=STEPS)
 
 
-def test_verify_returns_one_result_per_target(results: list[VerifyResult]) -> None:
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reference file of a 2-step verification."""
+    path = tmp_path_factory.mktemp("ref") / "reference.npz"
+    reference = Reference.compute(FISMO(), default_streams(2, 0), steps=2, seed=0)
+    reference.save(path)
+    return path
+
+
+# ------------------------------------------------------------------ streams
+def test_recorded_streams_are_real_and_rank_deficient_where_promised() -> None:
+    streams = {s.name: s for s in recorded_streams()}
+    assert set(streams) == RECORDED
+    shapes = {name: s.shape for name, s in streams.items()}
+    assert shapes == {"digits.head": (10, 32), "digits.conv2": (16, 72), "gpt.attn": (2, 48, 16),
+                      "gpt.proj": (2, 16, 16), "gpt.fc_out": (2, 16, 64)}
+    for s in streams.values():
+        assert s.G.dtype == np.float64 and s.G.shape == (16, *s.shape)
+        assert np.all(np.isfinite(s.G)) and np.linalg.norm(s.G) > 0
+        # Stored as float32 (the models' dtype): the float64 reference sees them exactly.
+        assert np.array_equal(s.G, s.G.astype(np.float32).astype(np.float64))
+        assert np.unique(s.G.reshape(16, -1), axis=0).shape[0] == 16  # 16 different gradients
+    # A softmax head's gradient has rows summing to zero (1^T G = 0), and so do the
+    # matrices writing into the LayerNorm-read residual stream: rank < min(m, n).
+    # float32 rounding leaves sigma_min / sigma_max ~ 1e-8; full-rank noise would be ~1e-1.
+    for name in ("digits.head", "gpt.proj", "gpt.fc_out"):
+        sv = np.linalg.svd(streams[name].G, compute_uv=False)
+        assert np.max(sv[..., -1] / sv[..., 0]) < 1e-6, name
+        # (float32 sums of 10-16 entries: ~2e-6 of the largest entry; 1e-5 leaves 5x.)
+        assert np.max(np.abs(np.sum(streams[name].G, axis=-2))) < 1e-5 * np.max(np.abs(streams[name].G))
+    sv = np.linalg.svd(streams["digits.conv2"].G, compute_uv=False)
+    assert np.min(sv[..., -1] / sv[..., 0]) > 1e-3  # the convolution's gradient has full rank
+
+
+def test_recorded_streams_cut_to_steps() -> None:
+    assert {s.steps for s in recorded_streams(5)} == {5}
+    assert {s.steps for s in recorded_streams(50)} == {16}
+
+
+def test_gaussian_shapes_are_recorded_shapes() -> None:
+    """JAX compiles per shape: the Gaussian streams reuse the recorded streams' shapes."""
+    assert set(VERIFY_SHAPES) <= {s.shape for s in recorded_streams(1)}
+    names = [s.name for s in default_streams(2)]
+    assert len(names) == len(set(names)) == len(VERIFY_SHAPES) + len(RECORDED)
+
+
+# ------------------------------------------------------------------ results
+def test_verify_returns_one_result_per_target(results) -> None:
     assert [r.target.id for r in results] == [t.id for t in targets()]
-    assert len({r.target.id for r in results}) == len(results)
     for r in results:
-        assert r.steps == STEPS
         if r.target.available:
-            assert r.error is not None and r.passed is True, (r.target.id, r.error)
-            # Same bar as the documented per-dtype tolerance.
-            assert r.target.tolerance == TOLERANCES[r.target.dtype]
-            assert 0.0 <= r.error <= r.target.tolerance
+            assert r.steps == STEPS
+            assert r.error is not None and r.passed is True, (r.target.id, r.error, r.where)
+            assert r.tolerance == TOLERANCES[r.target.dtype]
+            assert 0.0 <= r.error <= r.tolerance and r.where is None
         else:
-            assert r.error is None and r.passed is None
-            assert r.target.reason
+            assert r.error is None and r.passed is None and r.target.reason
 
 
-def test_verify_really_compares(results: list[VerifyResult]) -> None:
-    """Non-reference targets report a genuine, non-zero rounding difference.
-
-    (An error of exactly 0 everywhere would mean the reference was compared
-    with itself.) float32 targets cannot agree bit for bit with float64.
-    """
+def test_verify_really_compares(results) -> None:
+    """float32 cannot agree with float64 bit for bit; NumPy float64 against itself gives exactly 0."""
     errors32 = [r.error for r in results if r.target.available and r.target.dtype == "float32"]
     assert errors32 and all(e > 1e-9 for e in errors32)
-    numpy64 = next(r for r in results if r.target.id == "numpy-cpu-float64")
-    assert numpy64.error == 0.0  # the reference against itself
+    assert next(r for r in results if r.target.id == "numpy-cpu-float64").error == 0.0
 
 
-def test_format_table_has_columns_and_one_row_per_target(results: list[VerifyResult]) -> None:
-    table = format_table(results)
-    lines = table.splitlines()
-    header = lines[0]
-    positions = [header.index(c) for c in COLUMNS]
-    assert positions == sorted(positions)  # in this order
-    assert set(lines[1]) <= {"-", " "}  # rule under the header
-    body = lines[2:]
-    assert len(body) == len(results)
-    for line, r in zip(body, results):
+def test_verify_covers_every_stream_and_line(results) -> None:
+    reference = results.reference
+    assert {s.name for s in reference.streams} == RECORDED | {"gauss." + "x".join(map(str, s)) for s in VERIFY_SHAPES}
+    for s in reference.streams:
+        out = reference.outputs[s.name]
+        assert set(out) == set(QUANTITIES)
+        *batch, m, n = s.shape
+        assert out["P"].shape == (STEPS, *batch, m, m) and out["Q"].shape == (STEPS, *batch, n, n)
+        assert out["W"].shape == out["direction"].shape == (STEPS, *s.shape)
+
+
+def test_format_table_has_columns_and_one_row_per_target(results) -> None:
+    lines = format_table(results).splitlines()
+    positions = [lines[0].index(c) for c in COLUMNS]
+    assert positions == sorted(positions)
+    assert set(lines[1]) <= {"-", " "}
+    assert len(lines[2:]) == len(results)
+    for line, r in zip(lines[2:], results):
         t = r.target
         assert line.split()[:3] == [t.backend, t.device, t.dtype]
         if r.error is None:
@@ -87,57 +152,13 @@ def test_format_table_has_columns_and_one_row_per_target(results: list[VerifyRes
             assert f"{r.error:.2e}" in line and f"{t.tolerance:.0e}" in line and str(STEPS) in line
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    # One OpenMP thread in the child, for the reason given in _single_threaded_torch.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "fismo_core", *args], capture_output=True, text=True, timeout=300, env=env
-    )
-
-
-def test_cli_verify_passes() -> None:
-    proc = _run_cli("verify", "--steps", "5")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    for column in COLUMNS:
-        assert column in out
-    for t in AVAILABLE:
-        assert re.search(rf"^{re.escape(t.backend)}\s+{re.escape(t.device)}\s+{t.dtype}\s+5\s+\S+\s+\S+\s+pass$", out, re.MULTILINE), t.id
-    assert "FAIL" not in out
-    summary = SUMMARY.findall(out)
-    assert summary == [(str(len(AVAILABLE)), "0", str(len(UNAVAILABLE)))]
-    assert out.rstrip().splitlines()[-1] == f"{len(AVAILABLE)} passed, 0 failed, {len(UNAVAILABLE)} skipped"
-
-
-@pytest.mark.parametrize("steps", ["0", "-3"])
-def test_cli_rejects_non_positive_steps(steps: str) -> None:
-    proc = _run_cli("verify", "--steps", steps)
-    assert proc.returncode == 2  # argparse usage error
-    assert "--steps must be a positive integer" in proc.stderr
-    assert "passed" not in proc.stdout  # nothing ran
-
-
-def test_cli_rejects_non_integer_steps() -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["verify", "--steps", "five"])
-    assert exc.value.code == 2  # argparse usage error
-
-
-def test_cli_main_rejects_zero_steps_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["verify", "--steps", "0"])
-    assert exc.value.code == 2  # a usage error, not a verification failure (1)
-    assert "--steps must be a positive integer" in capsys.readouterr().err
-
-
-# --------------------------------------------------------------- failure path
+# --------------------------------------------------------- failures located
 @dataclasses.dataclass(frozen=True)
 class _BackendDependentPolar(PolarConfig):
-    """A polar factor that is off by 0.1% on every backend but the NumPy float64 reference.
+    """A polar factor off by 0.1% on every backend but the NumPy float64 reference.
 
-    This is the kind of bug verify exists for: one code path behaving
-    differently on some backend. 1e-3 is 10x the float32 tolerance and 1e7x
-    the float64 one, so every perturbed target must FAIL.
+    The kind of bug verify exists for: one code path behaving differently on
+    some backend. 1e-3 is 10x the float32 tolerance and 1e7x the float64 one.
     """
 
     def __call__(self, X: Any) -> Any:
@@ -148,47 +169,93 @@ class _BackendDependentPolar(PolarConfig):
         return out * 1.001
 
 
+@dataclasses.dataclass(frozen=True)
+class _BackendDependentRoot(InverseRootConfig):
+    """Inverse roots off by 0.1% except on the NumPy float64 reference (same reasoning)."""
+
+    def __call__(self, A: Any) -> Any:
+        out = super().__call__(A)
+        xp = array_namespace(A)
+        return out if is_numpy_namespace(xp) and A.dtype == xp.float64 else out * 1.001
+
+
 def _broken() -> FISMO:
     return FISMO(polar=_BackendDependentPolar())
 
 
-def test_verify_reports_fail_for_a_backend_dependent_optimizer() -> None:
-    results = verify(steps=2, optimizer=_broken())
+#: The fault tests run one short stream (every target; JAX compiles one shape per dtype).
+ONE_STREAM = default_streams(2)[:1]
+FIRST = f"{ONE_STREAM[0].name} step 1"
+
+
+def test_a_wrong_polar_factor_fails_at_line_8_of_step_1() -> None:
+    """P, Q, their roots, G~ and M do not depend on the polar factor: the first failure is line 8."""
+    results = verify(steps=2, optimizer=_broken(), streams=ONE_STREAM)
     by_id = {r.target.id: r for r in results}
     assert by_id["numpy-cpu-float64"].passed is True
     failed = [r for r in results if r.passed is False]
     assert {r.target.id for r in failed} == {t.id for t in AVAILABLE} - {"numpy-cpu-float64"}
     for r in failed:
-        assert r.error > r.target.tolerance
+        assert r.error > r.tolerance
+        assert r.where == f"{FIRST}: line 8 direction", r.where
+        assert list(r.details) == list(LINES.values())
+        for line, err in r.details.items():  # lines 4-7 and the roots agree; 8 and 9 do not
+            assert (err > r.tolerance) == (line in ("line 8 direction", "line 9 W")), (r.target.id, line, err)
     table = format_table(results)
-    assert table.count("FAIL") == len(failed)
+    assert table.count(f"FAIL at {FIRST}: line 8 direction") == len(failed)
 
 
-def test_verify_main_returns_1_on_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    # verify.main builds the default FISMO(); make that the broken optimizer.
+def test_a_wrong_inverse_root_fails_at_the_root_of_P() -> None:
+    """P_1 does not use a root, everything after it does: the first failure is P_1^{-1/2}."""
+    results = verify(steps=2, optimizer=FISMO(inv_root=_BackendDependentRoot()), streams=ONE_STREAM)
+    failed = [r for r in results if r.passed is False]
+    assert {r.target.id for r in failed} == {t.id for t in AVAILABLE} - {"numpy-cpu-float64"}
+    for r in failed:
+        assert r.where == f"{FIRST}: root P^-1/2", r.where
+        assert r.details["line 4 P"] <= r.tolerance < r.details["root P^-1/2"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _CrashesAtStep2(FISMO):
+    def step_lines(self, W: Any, G: Any, state: Any) -> Any:
+        xp = array_namespace(W)
+        if int(state.step) == 1 and not (is_numpy_namespace(xp) and W.dtype == xp.float64):
+            raise RuntimeError("injected crash")
+        return super().step_lines(W, G, state)
+
+
+def test_a_crash_is_a_failure_located_at_its_step() -> None:
+    ids = {"numpy-cpu-float64", "numpy-cpu-float32"}
+    chosen = [t for t in targets() if t.id in ids]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_mod, "targets", lambda: chosen)
+        results = verify(steps=3, optimizer=_CrashesAtStep2())
+    r32 = next(r for r in results if r.target.id == "numpy-cpu-float32")
+    assert r32.passed is False and r32.error == float("inf")
+    assert r32.where == f"{FIRST.replace('step 1', 'step 2')}" and "RuntimeError: injected crash" in r32.exception
+    assert "FAIL at" in format_table(results) and "injected crash" in format_table(results)
+
+
+def test_explain_prints_the_lines_of_the_failing_step(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    chosen = [t for t in targets() if t.backend == "numpy"]
+    monkeypatch.setattr(verify_mod, "targets", lambda: chosen)
     monkeypatch.setattr(verify_mod, "FISMO", _broken)
-    out = io.StringIO()
-    assert verify_mod.main(steps=2, out=out) == 1
-    text = out.getvalue()
-    assert "FAIL" in text
-    assert SUMMARY.findall(text) == [("1", str(len(AVAILABLE) - 1), str(len(UNAVAILABLE)))]
+    assert cli_main(["verify", "--steps", "1", "--explain"]) == 1
+    out = capsys.readouterr().out
+    block = out[out.index("numpy-cpu-float32: FAIL"):]
+    for line in LINES.values():
+        row = next(x for x in block.splitlines() if x.strip().startswith(line))
+        assert ("> tolerance" in row) == (line in ("line 8 direction", "line 9 W")), row
+    assert SUMMARY.findall(out) == [("1", "1", "0")]
 
 
-def test_cli_returns_1_on_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_explain_no_per_line_block(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    chosen = [t for t in targets() if t.backend == "numpy"]
+    monkeypatch.setattr(verify_mod, "targets", lambda: chosen)
     monkeypatch.setattr(verify_mod, "FISMO", _broken)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert cli_main(["verify", "--steps", "1"]) == 1
-    assert "FAIL" in out.getvalue()
-
-
-def test_cli_output_follows_redirected_stdout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process CLI output follows redirected stdout (regression: the stream was bound at import)."""
-    monkeypatch.setattr(verify_mod, "targets", lambda: [t for t in targets() if t.id == "numpy-cpu-float64"])
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        assert cli_main(["verify", "--steps", "1"]) == 0
-    assert SUMMARY.findall(buffer.getvalue()) == [("1", "0", "0")]
+    assert cli_main(["verify", "--steps", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL at" in out and "> tolerance" not in out
 
 
 def test_verify_main_returns_1_when_nothing_ran(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +267,218 @@ def test_verify_main_returns_1_when_nothing_ran(monkeypatch: pytest.MonkeyPatch)
     assert SUMMARY.findall(out.getvalue()) == [("0", "0", str(len(unavailable)))]
 
 
+# ----------------------------------------------------------- reference files
+def test_reference_round_trip(saved: Path) -> None:
+    loaded = Reference.load(saved)
+    again = Reference.compute(FISMO(), default_streams(2, 0), steps=2, seed=0)
+    assert (loaded.steps, loaded.seed, loaded.config) == (2, 0, again.config)
+    assert [s.name for s in loaded.streams] == [s.name for s in again.streams]
+    for s, t in zip(loaded.streams, again.streams):
+        assert np.array_equal(s.W0, t.W0) and np.array_equal(s.G, t.G)
+        for q in QUANTITIES:
+            assert np.array_equal(loaded.outputs[s.name][q], again.outputs[t.name][q]), (s.name, q)
+    manifest = json.loads(str(np.load(saved)["manifest"]))
+    assert manifest["format"] == "fismo-verify-reference" and manifest["format_version"] == 1
+    assert manifest["library_version"] == fismo_core.__version__
+    assert manifest["config"] == json.loads(json.dumps(dataclasses.asdict(FISMO())))
+    assert manifest["config"]["polar"]["method"] == "newton_schulz"  # nested options are kept
+    assert manifest["checksum"].startswith("sha256:")
+
+
+def test_against_checks_every_backend_with_the_files_streams(saved: Path, capsys) -> None:
+    assert cli_main(["verify", "--against", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert f"against {saved}" in out
+    assert SUMMARY.findall(out) == [(str(len(AVAILABLE)), "0", str(len(UNAVAILABLE)))]
+    for t in AVAILABLE:
+        assert re.search(rf"^{re.escape(t.backend)}\s+{re.escape(t.device)}\s+{t.dtype}\s+2\s+\S+\s+\S+\s+pass$", out, re.M)
+
+
+def test_against_detects_a_reference_that_differs(saved: Path, tmp_path: Path, capsys) -> None:
+    """A reference whose line 7 was changed (and re-checksummed) fails every backend at line 7, step 1."""
+    reference = Reference.load(saved)
+    name = reference.streams[0].name
+    reference.outputs[name]["M"] = reference.outputs[name]["M"] * 1.001
+    path = tmp_path / "edited.npz"
+    reference.save(path)
+    chosen = [t for t in targets() if t.backend in ("numpy", "torch") and t.available]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_mod, "targets", lambda: chosen)
+        assert cli_main(["verify", "--against", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert out.count(f"FAIL at {name} step 1: line 7 M") == len(chosen)
+
+
+def _refused(path: Path, capsys, match: str) -> None:
+    assert cli_main(["verify", "--against", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fismo verify: ") and "Traceback" not in captured.err
+    assert re.search(match, lines[0]), lines[0]
+
+
+def test_refuses_a_missing_file(tmp_path: Path, capsys) -> None:
+    _refused(tmp_path / "nope.npz", capsys, "does not exist")
+
+
+def test_refuses_a_directory(tmp_path: Path, capsys) -> None:
+    _refused(tmp_path, capsys, "is not a file")
+
+
+def test_refuses_a_foreign_file(tmp_path: Path, capsys) -> None:
+    text = tmp_path / "notes.npz"
+    text.write_text("hello\n")
+    _refused(text, capsys, r"is not a fismo verify reference file \(not an .npz archive\)")
+    other = tmp_path / "other.npz"
+    np.savez(other, x=np.ones(3))
+    _refused(other, capsys, r"is not a fismo verify reference file \(no manifest\)")
+    tagged = tmp_path / "tagged.npz"
+    np.savez(tagged, manifest=np.array(json.dumps({"format": "something-else"})))
+    _refused(tagged, capsys, "format is not 'fismo-verify-reference'")
+
+
+def _rewrite(saved: Path, out: Path, edit_manifest=None, edit_arrays=None) -> Path:
+    with np.load(saved) as f:
+        arrays = {k: f[k] for k in f.files}
+    manifest = json.loads(str(arrays.pop("manifest")))
+    if edit_manifest:
+        edit_manifest(manifest)
+    if edit_arrays:
+        edit_arrays(arrays)
+    with open(out, "wb") as fh:
+        np.savez(fh, manifest=np.array(json.dumps(manifest)), **arrays)
+    return out
+
+
+def test_refuses_a_changed_array(saved: Path, tmp_path: Path, capsys) -> None:
+    def edit(arrays):
+        key = next(k for k in arrays if k.endswith("/direction"))
+        arrays[key] = arrays[key].copy()
+        arrays[key].flat[0] += 1e-12
+    _refused(_rewrite(saved, tmp_path / "x.npz", edit_arrays=edit), capsys, "is damaged: its checksum does not match")
+
+
+def test_refuses_a_missing_array(saved: Path, tmp_path: Path, capsys) -> None:
+    def edit(arrays):
+        del arrays[next(k for k in arrays if k.endswith("/M"))]
+    _refused(_rewrite(saved, tmp_path / "x.npz", edit_arrays=edit), capsys, r"is damaged: arrays missing")
+
+
+def test_refuses_a_truncated_or_corrupted_file(saved: Path, tmp_path: Path, capsys) -> None:
+    data = saved.read_bytes()
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(data[: len(data) // 2])
+    _refused(cut, capsys, "is (damaged|not a fismo verify reference file)")
+    # Flip bytes inside a compressed member (not the zip directory): a CRC or zlib error.
+    with zipfile.ZipFile(saved) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("direction.npy"))
+    flipped = bytearray(data)
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra) + 20
+    for i in range(start, start + 16):
+        flipped[i] ^= 0xFF
+    bad = tmp_path / "flipped.npz"
+    bad.write_bytes(bytes(flipped))
+    _refused(bad, capsys, "is damaged")
+
+
+def test_refuses_another_format_version(saved: Path, tmp_path: Path, capsys) -> None:
+    path = _rewrite(saved, tmp_path / "v2.npz", edit_manifest=lambda m: m.update(format_version=2))
+    _refused(path, capsys, r"has reference format version 2; fismo .* reads version 1")
+
+
+def test_refuses_a_configuration_this_version_cannot_build(saved: Path, tmp_path: Path, capsys) -> None:
+    path = _rewrite(saved, tmp_path / "cfg.npz", edit_manifest=lambda m: m["config"].update(warp_drive=True))
+    _refused(path, capsys, r"is incompatible: its FISMO configuration cannot be built .*warp_drive")
+    path = _rewrite(saved, tmp_path / "cfg2.npz", edit_manifest=lambda m: m["config"].update(lr=-1.0))
+    _refused(path, capsys, r"is incompatible: its FISMO configuration cannot be built")
+
+
+def test_refuses_other_quantities(saved: Path, tmp_path: Path, capsys) -> None:
+    path = _rewrite(saved, tmp_path / "q.npz", edit_manifest=lambda m: m.update(quantities=["P", "Q"]))
+    _refused(path, capsys, r"is incompatible: it compares P, Q")
+
+
+def test_load_raises_reference_file_error(tmp_path: Path) -> None:
+    with pytest.raises(ReferenceFileError, match="does not exist"):
+        Reference.load(tmp_path / "missing.npz")
+
+
+def test_reference_keeps_a_non_default_configuration(tmp_path: Path) -> None:
+    optimizer = FISMO(polar=PolarConfig(coefficients="polar_express", steps=8), gamma=0.9, nesterov=True)
+    stream = Stream("s", np.ones((3, 4)), np.random.default_rng(0).standard_normal((2, 3, 4)))
+    Reference.compute(optimizer, [stream], steps=2, seed=0).save(tmp_path / "r.npz")
+    assert Reference.load(tmp_path / "r.npz").optimizer() == optimizer
+
+
+def test_cli_rejects_conflicting_options(saved: Path, capsys) -> None:
+    for extra in (["--steps", "3"], ["--seed", "1"], ["--save", "x.npz"]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["verify", "--against", str(saved), *extra])
+        assert exc.value.code == 2
+        assert "--against takes the streams, steps and seed from the reference file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the CLI
+def test_cli_verify_in_process_saves_and_passes(tmp_path: Path, capsys) -> None:
+    """``fismo verify --save``: every stream listed, the table, the summary, exit 0, a file that loads.
+
+    In process, so the JAX steps compiled for the ``results`` fixture are reused.
+    """
+    path = tmp_path / "ref.npz"
+    assert cli_main(["verify", "--steps", str(STEPS), "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    for column in COLUMNS:
+        assert column in out
+    for name in RECORDED:
+        assert re.search(rf"^  {re.escape(name)}\s", out, re.M), name
+    for t in AVAILABLE:
+        assert re.search(rf"^{re.escape(t.backend)}\s+{re.escape(t.device)}\s+{t.dtype}\s+{STEPS}\s+\S+\s+\S+\s+pass$", out, re.M), t.id
+    assert "FAIL" not in out
+    assert SUMMARY.findall(out) == [(str(len(AVAILABLE)), "0", str(len(UNAVAILABLE)))]
+    assert out.rstrip().splitlines()[-1] == f"wrote the reference to {path} ({Reference.load(path).checksum})"
+    assert Reference.load(path).steps == STEPS
+
+
+def test_entry_point_against_a_small_reference(tmp_path: Path) -> None:
+    """The installed entry point, once (a fresh process compiles JAX again: one short stream keeps it cheap)."""
+    path = tmp_path / "small.npz"
+    Reference.compute(FISMO(), ONE_STREAM, steps=2, seed=0).save(path)
+    proc = subprocess.run([sys.executable, "-m", "fismo_core", "verify", "--against", str(path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert SUMMARY.findall(proc.stdout) == [(str(len(AVAILABLE)), "0", str(len(UNAVAILABLE)))]
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a reference")
+    proc = subprocess.run([sys.executable, "-m", "fismo_core", "verify", "--against", str(bad)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_cli_rejects_non_positive_steps(steps: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["verify", "--steps", steps])
+    assert exc.value.code == 2  # a usage error, not a verification failure (1)
+    assert "--steps must be a positive integer" in capsys.readouterr().err
+
+
+def test_cli_rejects_non_integer_steps() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["verify", "--steps", "five"])
+    assert exc.value.code == 2
+
+
 def test_verify_api_rejects_zero_steps() -> None:
     """A zero-step verification compares nothing, so it must not pass (regression)."""
     with pytest.raises(ValueError, match="steps"):
         verify(steps=0)
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fismo {fismo_core.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "fismo_core", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"fismo {fismo_core.__version__}"
