@@ -139,7 +139,7 @@ def default_config(
       text; blocked controls with ``B`` = 32 and 64 on both tasks. (Text had
       600 steps before the controls were added; 300 keeps the main job's CPU
       time about where it was.)
-    - ``"quick"``: 2 seeds; digits 100 steps, text 60 steps on 0.5 MB, a
+    - ``"quick"``: 2 seeds; digits 100 steps, text 40 steps on 0.5 MB, a
       smaller evaluation set, 10 measurements per run, the blocked controls
       with ``B = 32`` only.
     - ``"tiny"``: the tests' preset, every code path in seconds: 2 seeds,
@@ -155,7 +155,7 @@ def default_config(
     if chosen_preset == "quick":
         text = TextTask(max_train_bytes=500_000, max_val_bytes=100_000, val_windows=64)
         plans = {"digits": _digits_plan(100, points=10, block_sizes=(32,)),
-                 "text": _text_plan(60, text, points=10, block_sizes=(32,))}
+                 "text": _text_plan(40, text, points=10, block_sizes=(32,))}
         n_seeds = 2
     elif chosen_preset == "tiny":
         text = TextTask(batch_size=16, context=32, dim=32, heads=2, max_train_bytes=200_000,
