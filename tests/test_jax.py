@@ -399,7 +399,8 @@ def test_optax_low_precision_params(dtype: str) -> None:
 def test_optax_blocked_under_jit_matches_numpy_core(dtype: str, every: int) -> None:
     """``fismo(..., block_size=5)`` on a (8, 12) matrix (P: 5 + 3, Q: 2 x 5 + 2) and a bias, one
     jitted train step; with ``every=2`` the roots' schedule runs through ``lax.cond`` on the
-    blocked state. The state holds ``Blocks``; jit traces once."""
+    blocked state. The state holds ``Blocks``; jit traces once; a run resumed from a host copy of
+    params and state taken halfway ends bit for bit where the uninterrupted run did."""
     optax = _optax()
     from fismo_core.backends.optax import fismo
     from fismo_core.kronecker import Blocks
@@ -424,13 +425,24 @@ def test_optax_blocked_under_jit_matches_numpy_core(dtype: str, every: int) -> N
     core = FISMO(lr=lr, block_size=B, inv_root=inv_root, weight_decay=0.01)
     W, s = W0_64, core.init(W0_64)
     worst = 0.0
-    for G in grads64:
+    saved = None
+    for t, G in enumerate(grads64):
+        if t == STEPS // 2:  # a checkpoint on the host, halfway (NumPy arrays, as a user would save them)
+            saved = jax.tree.map(np.asarray, (params, state))
         g = {"w": jnp.asarray(G, dtype=dtype), "b": jnp.asarray(G[:, 0], dtype=dtype)}
         params, state = train_step(params, state, g)
         # The reference sees the gradient the jitted step saw (rounded to dtype), in float64.
         W, s = core.step(W, np.asarray(g["w"], dtype=np.float64), s)
         worst = max(worst, max_relative_error(np.asarray(params["w"], dtype=np.float64) - W0_64, W - W0_64))
     assert len(traces) == 1
+    # Resume from the host checkpoint: the blocked state comes back and the run ends bit for bit
+    # where the uninterrupted one did.
+    resumed, resumed_state = jax.tree.map(jnp.asarray, saved)
+    for G in grads64[STEPS // 2:]:
+        g = {"w": jnp.asarray(G, dtype=dtype), "b": jnp.asarray(G[:, 0], dtype=dtype)}
+        resumed, resumed_state = train_step(resumed, resumed_state, g)
+    for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((resumed, resumed_state))):
+        assert bool(jnp.array_equal(a, b))
     assert worst <= TOLERANCES[dtype], worst
     leaf_state = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, FISMOState))
     fismo_state = next(x for x in leaf_state if isinstance(x, FISMOState))
