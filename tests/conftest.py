@@ -3,21 +3,25 @@
 Targets come from :func:`fismo_core.testing.targets`, the same list ``fismo
 verify`` uses; a target whose library or device is missing is skipped with
 the reason (CuPy and torch CUDA skip here unless a CUDA device is present).
+The project's own pytest plugin (``fismo_core.pytest_plugin``, also usable by
+anyone) is loaded too: it pins true float32 matrix products (TF32 off) and
+provides the public ``array_target`` fixtures, exercised by
+``tests/test_harness.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from fismo_core.testing import Target, pin_full_float32_matmuls, targets
+from fismo_core.testing import Target, targets
+
+pytest_plugins = ["fismo_core.pytest_plugin", "pytester"]  # pytester: tests/test_harness.py runs the plugin
 
 ALL_TARGETS = targets()
 
 
-pin_full_float32_matmuls()
-
-
 def _params(selected: list[Target]) -> list:
+    # As fismo_core.pytest_plugin.target_params (not imported here: pytest must import the plugin first).
     return [
         pytest.param(t, id=t.id, marks=[pytest.mark.skip(reason=t.reason)] if not t.available else [])
         for t in selected
