@@ -192,6 +192,26 @@ def test_non_finite_gradient_is_rejected(value: float) -> None:
     _raises_and_untouched(lambda: opt.step(W, G, state), state, ValueError, r"G .*(finite|NaN|nan|inf)")
 
 
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_non_finite_parameters_are_rejected(value: float) -> None:
+    """A NaN or infinity in W (damaged parameters) raises before any state changes, naming W."""
+    opt, W, G, state = _numpy_setup()
+    W = np.array(W)
+    W[1, 1] = value
+    _raises_and_untouched(lambda: opt.step(W, G, state), state, ValueError, r"W contains NaN or infinite values \(")
+
+
+def test_non_finite_parameters_pass_through_the_other_policies() -> None:
+    """``nonfinite="skip"`` and ``"propagate"`` read nothing back: a NaN in W stays where it is, no error."""
+    for policy in ("skip", "propagate"):
+        opt = FISMO(nonfinite=policy)
+        W = np.ones((4, 6))
+        W[0, 0] = math.nan
+        W_new, _ = opt.step(W, np.ones((4, 6)), opt.init(W))
+        assert math.isnan(W_new[0, 0]) and np.all(np.isfinite(W_new[1:]))
+
+
 # -------------------------------------------------------- hyperparameters
 HYPERPARAMETER_ERRORS = [
     # lr > 0
