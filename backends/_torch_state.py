@@ -266,7 +266,10 @@ def _check_finite_grads(param_groups: list) -> set:
             if p.grad is None:
                 continue
             local = p.grad.to_local() if is_dtensor(p.grad) else p.grad
-            flag = torch.isfinite(local).all().to(torch.int32)
+            finite = torch.isfinite(local).all()
+            if group.get("nonfinite", "raise") == "raise":  # damaged parameters too, in the same host read
+                finite = finite & torch.isfinite(p.to_local() if is_dtensor(p) else p).all()
+            flag = finite.to(torch.int32)
             if is_dtensor(p):
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=p.device_mesh.get_group())
             checks.append((gi, i, p, flag))
@@ -288,12 +291,20 @@ def _check_finite_grads(param_groups: list) -> set:
             skip.add(id(p))
             continue
         g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
-        nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
         names = group.get("param_names")
         if names and i < len(names):
             label = f"parameter {names[i]!r} (index {i} in param group {gi}, shape {tuple(p.shape)})"
         else:
             label = f"parameter {i} of param group {gi} (shape {tuple(p.shape)})"
+        if bool(torch.isfinite(g).all()):  # the gradient is fine: the parameter itself is damaged
+            local = p.detach().to_local() if is_dtensor(p) else p.detach()
+            nan, inf = int(torch.isnan(local).sum()), int(torch.isinf(local).sum())
+            raise ValueError(
+                f"the {label} contains {nan} NaN and {inf} infinite values: it was damaged before this step "
+                "(an earlier step diverged, or it was loaded so); FISMO took no step and every state is as it "
+                "was. Restore the parameters from a checkpoint"
+            )
+        nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
         raise ValueError(
             f"the gradient of {label} contains {nan} NaN and {inf} infinite values (of {g.numel()} entries"
             f"{' on this rank' if is_dtensor(p) else ''}); FISMO took no step: every parameter, every FISMO "

@@ -249,6 +249,25 @@ def test_torch_raise_names_the_parameter_and_changes_nothing() -> None:
         assert torch.equal(p, q)
 
 
+def test_torch_raise_names_a_damaged_parameter_and_changes_nothing() -> None:
+    """A NaN in a FISMO parameter itself (its gradient finite) is refused in the same host read, naming it."""
+    torch = pytest.importorskip("torch")
+    model = _torch_model(torch)
+    opt = _torch_opt(torch, model)
+    _fill_grads(torch, model, 1)
+    opt.step()
+    _fill_grads(torch, model, 2)
+    with torch.no_grad():
+        model[2].weight[0, 0] = math.nan
+    before = _torch_snapshot(torch, model, opt)
+    with pytest.raises(ValueError, match=r"parameter '2\.weight' .* contains 1 NaN and 0 infinite values: it was damaged"):
+        opt.step()
+    after = _torch_snapshot(torch, model, opt)
+    assert before.keys() == after.keys()
+    for key in before:  # bit for bit, the damaged entry (NaN) included
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
 def test_torch_skip_leaves_the_parameter_alone_and_counts_it() -> None:
     """``nonfinite="skip"``: the parameter with a bad gradient keeps its value (no weight decay),
     P, Q, M, roots and step bit for bit and counts the skip; the others step exactly as an
