@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 
@@ -217,14 +218,17 @@ def make_fismo(variant: str) -> FISMO:
         raise NotImplementedError(f"FISMO{VARIANTS[variant]} is not supported by this core: {exc}") from exc
 
 
-def model_fismo_step(variant: str, model: str, backend: str = "torch-cpu-float32") -> Callable[[], None]:
-    """One step of ``FISMO(**VARIANTS[variant])`` over every matrix of ``MODEL_SETS[model]``, the
-    matrices of one shape batched in one call of the core (as the torch optimizer buckets them).
-    A call is one step (a cycle for the amortised variants); one warm-up step runs first."""
+def model_fismo_step(
+    variant: str, model: str, backend: str = "torch-cpu-float32", shapes: Optional[list] = None
+) -> Callable[[], None]:
+    """One step of ``FISMO(**VARIANTS[variant])`` over every matrix of ``MODEL_SETS[model]`` (or
+    of ``shapes``), the matrices of one shape batched in one call of the core (as the torch
+    optimizer buckets them). A call is one step (a cycle for the amortised variants); one warm-up
+    step runs first."""
     t = target(backend)
     opt = make_fismo(variant)
     counts: dict[tuple[int, int], int] = {}
-    for shape in MODEL_SETS[model]:
+    for shape in MODEL_SETS[model] if shapes is None else shapes:
         counts[shape] = counts.get(shape, 0) + 1
     items = []
     for i, ((m, n), k) in enumerate(counts.items()):

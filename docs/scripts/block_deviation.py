@@ -9,7 +9,8 @@ documentation page "Performance", section "Blocking and the direction").
 2. Feed the same stream to full FISMO and to blocked FISMO with ``B`` = 64, 128, 192 and 256 (a
    quarter of 256, 512, 768 and 1024, so every matrix is split into the same number of blocks as
    its GPT-2 twin), and to Muon's direction (``Polar(M_t)``, no preconditioning) as a yardstick,
-   all in float64, so that the differences are the algorithms' and not rounding.
+   all in float64, so that the differences are the algorithms' and not rounding; and, for scale,
+   full FISMO with the polar factor's iteration in bfloat16 (``PolarConfig(dtype="bfloat16")``).
    Both statistics of lines 4-5 are run: ``"printed"`` (Algorithm 1, the default), with which
    ``P`` and ``Q`` hardly leave the identity at this gradient scale (entries of RMS about 1e-3;
    see the page "Notes on the algorithm"), and ``"scale_invariant"``, with which they do.
@@ -84,13 +85,15 @@ def record_gradients(steps: int, seed: int = 0) -> dict[str, list[np.ndarray]]:
 STATISTICS = ["printed", "scale_invariant"]
 
 
-def directions(stream: list[np.ndarray], block_size, statistics: str) -> list[np.ndarray]:
-    """FISMO's direction dW_t along the stream (torch float64, exact roots)."""
+def directions(stream: list[np.ndarray], block_size, statistics: str, polar_dtype=None) -> list[np.ndarray]:
+    """FISMO's direction dW_t along the stream (torch float64, exact roots; ``polar_dtype``: the
+    Newton-Schulz iteration's dtype, ``PolarConfig(dtype=...)``)."""
     import torch
 
     from fismo_core import FISMO
 
-    opt = FISMO(nonfinite="propagate", block_size=block_size, statistics=statistics)
+    polar = {"dtype": polar_dtype} if polar_dtype else {}
+    opt = FISMO(nonfinite="propagate", block_size=block_size, statistics=statistics, polar=polar)
     state = opt.init(torch.zeros(stream[0].shape, dtype=torch.float64))
     out = []
     for G in stream:
@@ -146,12 +149,17 @@ def main() -> None:
             m, n = stream[0].shape
             full = directions(stream, None, stats)
             curves[stats][name] = {}
-            rows = [(f"{B} ({4 * B})", B) for B in BLOCKS] + [("Muon's direction", "muon")]
+            rows = [(f"{B} ({4 * B})", B) for B in BLOCKS] + [("full, bf16 polar", "bf16"), ("Muon's direction", "muon")]
             for label, B in rows:
-                got = muon[name] if B == "muon" else directions(stream, B, stats)
+                if B == "muon":
+                    got = muon[name]
+                elif B == "bf16":
+                    got = directions(stream, None, stats, "bfloat16")
+                else:
+                    got = directions(stream, B, stats)
                 dev = relative(got, full)
                 curves[stats][name][label] = dev
-                blocks = "—" if B == "muon" else f"{math.ceil(m / B)}, {math.ceil(n / B)}"
+                blocks = "—" if isinstance(B, str) else f"{math.ceil(m / B)}, {math.ceil(n / B)}"
                 print(f"| {m}×{n} ({twin}) | {label} | {blocks} | {np.median(dev):.2g} | {dev.max():.2g} "
                       f"| {np.median(dev[-late:]):.2g} |")
         print()
@@ -173,8 +181,10 @@ def plot(curves: dict, grads: dict) -> None:
             m, n = grads[name][0].shape
             for label, dev in by_label.items():
                 style = {"color": "black", "ls": "--"} if label.startswith("Muon") else {}
+                if label.startswith("full"):
+                    style = {"color": "gray", "ls": ":"}
                 ax.plot(np.arange(1, len(dev) + 1), dev, lw=1, **style,
-                        label=label if label.startswith("Muon") else f"B = {label}")
+                        label=label if label[0].isalpha() else f"B = {label}")
             ax.set_yscale("log")
             ax.set_title(f"{name}: {m}×{n} (GPT-2: {MATRICES[name][1]}), {stats}", fontsize=8)
             ax.grid(True, which="both", alpha=0.3)

@@ -10,6 +10,7 @@ common.py``), so the page and the suite time the same code.
     python docs/scripts/performance.py --repeats 3        # fewer repeats (noisier)
     python docs/scripts/performance.py --only models --model gpt2-2layers --repeats 3   # real model shapes
     python docs/scripts/performance.py --only models --names eigh-B768 muon-float32     # some rows only
+    python docs/scripts/performance.py --only threads     # eigh and matmul with 1 and 2 threads
 
 The "models" section times one step over all the weight matrices of a real model (two GPT-2-small
 layers; a LLaMA-like 2048 x 5504 matrix) for FISMO full and blocked and every anchor. Each run
@@ -199,6 +200,11 @@ def section_flop_lines() -> None:
             counts = step_flops(m, n, opt)
             print(f"| {m}×{n} | {LABELS[name]} | " + " | ".join(f"{counts[k] / 1e9:.1f}" for k in keys)
                   + f" | {muon_flops(m, n) / 1e9:.1f} |")
+    for (m, n), B in [((768, 2304), 768), ((768, 3072), 768), ((3072, 768), 768), ((2048, 5504), 1024),
+                      ((4096, 11008), 1024)]:
+        counts = step_flops(m, n, FISMO(nonfinite="propagate", block_size=B))
+        print(f"| {m}×{n} | {LABELS[f'eigh-B{B}']} | " + " | ".join(f"{counts[k] / 1e9:.1f}" for k in keys)
+              + f" | {muon_flops(m, n) / 1e9:.1f} |")
     print()
 
 
@@ -276,10 +282,11 @@ def section_matrix_functions(repeats: int) -> None:
     print()
 
 
-def model_callable(name: str, model: str, device: str):
+def model_callable(name: str, model: str, device: str, shapes=None):
+    shapes = MODEL_SETS[model] if shapes is None else shapes
     if name in VARIANTS:
-        return model_fismo_step(name, model, f"torch-{device}-float32")
-    return anchor_step(name, MODEL_SETS[model], device)
+        return model_fismo_step(name, model, f"torch-{device}-float32", shapes=shapes)
+    return anchor_step(name, list(shapes), device)
 
 
 def load_model_results() -> dict:
@@ -287,22 +294,35 @@ def load_model_results() -> dict:
 
 
 def section_models(repeats: int, models: list, names: list, device: str) -> None:
-    """Time ``names`` (always with the float32 Muon step and torch.optim.Muon) on each model set,
-    interleaved, store the medians and print the tables from the stored results."""
+    """Time ``names`` (always with the float32 Muon step and torch.optim.Muon) on each model set
+    and store the medians, then print the tables from the stored results.
+
+    A model's step is timed shape by shape: for each shape, the matrices of that shape (one
+    batched core call for FISMO, one optimizer over those parameters for the others), all the
+    optimizers interleaved; the model's step time is the sum over its shapes. Short interleaved
+    calls sample a machine whose load changes by the minute more evenly than whole-model calls."""
     import torch
 
     results = load_model_results()
     for model in models:
         wanted = list(dict.fromkeys(["muon-float32", "muon", *names]))
-        fns = {}
-        for name in wanted:
-            try:
-                fns[name] = model_callable(name, model, device)
-            except NotImplementedError as exc:
-                print(f"<!-- {name} on {model} skipped: {exc} -->")
+        groups: dict[tuple, list] = {}
+        for shape in MODEL_SETS[model]:
+            groups.setdefault(shape, []).append(shape)
         started = time.time()
-        # The callables warmed up when they were made (FISMO one step, the anchors two).
-        times = per_step(interleaved_medians(fns, repeats, warmup=False))
+        by_shape: dict[str, dict[str, float]] = {}
+        for shape, shapes in groups.items():
+            fns = {}
+            for name in wanted:
+                try:
+                    fns[name] = model_callable(name, model, device, shapes)
+                except NotImplementedError as exc:
+                    print(f"<!-- {name} on {model} skipped: {exc} -->")
+            # The callables warmed up when they were made (FISMO one step, the anchors two).
+            by_shape[shape_name(shape)] = per_step(interleaved_medians(fns, repeats, warmup=False))
+            print(f"<!-- {model}, {len(shapes)} x {shape_name(shape)}: {time.time() - started:.0f} s -->", flush=True)
+        names_done = set.intersection(*(set(t) for t in by_shape.values()))
+        times = {name: sum(t[name] for t in by_shape.values()) for name in names_done}
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
         key = f"{model}/{device}"
         run = {
@@ -318,6 +338,8 @@ def section_models(repeats: int, models: list, names: list, device: str) -> None
                 "seconds": t,
                 "muon_float32_seconds": times["muon-float32"],
                 "torch_muon_seconds": times.get("muon"),
+                "by_shape": {shape: {"seconds": v[name], "muon_float32_seconds": v["muon-float32"]}
+                             for shape, v in by_shape.items()},
                 **run,
             }
         MODEL_JSON.parent.mkdir(parents=True, exist_ok=True)
@@ -336,16 +358,21 @@ def print_model_tables(device: str) -> None:
             continue
         shapes = MODEL_SETS[model]
         print(f"**{model}** ({len(shapes)} matrices: {', '.join(shape_name(s) for s in dict.fromkeys(shapes))})\n")
-        print("| optimizer | ms per step | / Muon float32 step | / torch.optim.Muon | measured (UTC, load, repeats) |")
-        print("|---|---|---|---|---|")
         order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored]
+        per_shape = [s for s in dict.fromkeys(shape_name(s) for s in shapes)] if len(set(shapes)) > 1 else []
+        print("| optimizer | ms per step | / Muon float32 step | / torch.optim.Muon | "
+              + "".join(f"/ Muon float32, {s} | " for s in per_shape) + "measured (UTC, load, repeats, threads) |")
+        print("|---|---|---|---|" + "---|" * len(per_shape) + "---|")
         for name in order:
             r = stored[name]
             muon = r["torch_muon_seconds"]
-            print(f"| {LABELS.get(name, name)} | {r['seconds'] * 1e3:.0f} | {r['seconds'] / r['muon_float32_seconds']:.2f}× "
-                  f"| {r['seconds'] / muon:.2f}× | {r['when']}, {r['load_1min_at_end']}, {r['repeats']} |"
-                  if muon else f"| {LABELS.get(name, name)} | {r['seconds'] * 1e3:.0f} | "
-                  f"{r['seconds'] / r['muon_float32_seconds']:.2f}× | — | {r['when']}, {r['load_1min_at_end']}, {r['repeats']} |")
+            cells = [f"{r['seconds'] * 1e3:.0f}", f"{r['seconds'] / r['muon_float32_seconds']:.2f}×",
+                     f"{r['seconds'] / muon:.2f}×" if muon else "—"]
+            for s in per_shape:
+                g = r.get("by_shape", {}).get(s)
+                cells.append(f"{g['seconds'] / g['muon_float32_seconds']:.2f}×" if g else "—")
+            cells.append(f"{r['when']}, {r['load_1min_at_end']}, {r['repeats']}, {r.get('threads', '?')}")
+            print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
         print()
 
 
@@ -402,10 +429,42 @@ def plot_models(device: str) -> None:
     print(f"<!-- plot written to {out.relative_to(ROOT)} -->\n")
 
 
+def section_threads(repeats: int) -> None:
+    """eigh and matmul with 1 and with 2 torch threads, interleaved: on a loaded machine LAPACK's
+    eigh with more threads than free cores spends its time waiting."""
+    import torch
+
+    from benchmarks.common import random_spd
+
+    A = torch.asarray(random_spd((768, 768)), dtype=torch.float32)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    before = torch.get_num_threads()
+
+    def with_threads(k, fn):
+        def run():
+            torch.set_num_threads(k)
+            fn()
+        return run
+
+    fns = {}
+    for k in (1, 2):
+        fns[f"eigh 768, {k} thread(s)"] = with_threads(k, lambda: torch.linalg.eigh(A))
+        fns[f"1024² matmul, {k} thread(s)"] = with_threads(k, lambda: a @ b)
+    times = interleaved_medians(fns, 3 * repeats)
+    torch.set_num_threads(before)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    print(f"### Threads on a loaded machine (ms, median; load {load:.1f} at the end)\n")
+    print("| operation | 1 thread | 2 threads |")
+    print("|---|---|---|")
+    for op in ("eigh 768", "1024² matmul"):
+        print(f"| {op} | {times[f'{op}, 1 thread(s)'] * 1e3:.0f} | {times[f'{op}, 2 thread(s)'] * 1e3:.0f} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot", "models"])
+    parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot", "models", "threads"])
     parser.add_argument("--model", nargs="+", default=PAGE_MODELS, choices=list(MODEL_SETS),
                         help="models section: which model sets (default: %(default)s)")
     parser.add_argument("--names", nargs="+", default=MODEL_VARIANTS + MODEL_ANCHORS,
@@ -427,6 +486,7 @@ def main() -> None:
         "batched": lambda: section_batched(args.repeats),
         "steps": lambda: section_steps(args.repeats),
         "plot": lambda: section_plot(args.repeats),
+        "threads": lambda: section_threads(args.repeats),
         "models": lambda: (section_model_memory(), print_model_tables(args.device), plot_models(args.device))
         if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device)),
     }
