@@ -472,7 +472,7 @@ class Report(list):
         """For every failed target, the errors at its first failure (``details``), marked where above tolerance."""
         blocks = []
         for r in self.failed:
-            lines = [f"{r.target.id}: {r.verdict}"]
+            lines = [f"{r.target.id}: {r.verdict} (tolerance {r.tolerance:.0e})"]
             for name, err in r.details.items():
                 mark = "  > tolerance" if not err <= r.tolerance else ""
                 lines.append(f"    {name:<24s} {err:.2e}{mark}")
