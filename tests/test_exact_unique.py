@@ -278,7 +278,7 @@ def exact_directions(target: Target, grads: list[np.ndarray]) -> list[np.ndarray
 # float64 head 4.6e-15, rank-2 1.5e-12 (torch; the roots' conditioning amplifies rounding); before
 # the cut 0.5 and 1.4. float32 head 1.6e-6. On the rank-2 stream the second singular value of M_t
 # falls to 0.02 s_1 on some steps, and float32 rounding amplified by the conditioning of U_r V_r^T
-# and of the roots reaches 4.3e-4 (5 seeds): that pair is held to 4e-3, ten times that (before the
+# and of the roots reaches 4.3e-4 (10 seeds): that pair is held to 4e-3, nine times that (before the
 # cut, order 1); see docs/linalg.md.
 def fismo_tolerance(dtype: str, stream: str) -> float:
     return 4e-3 if (dtype, stream) == ("float32", "rank2_16x16") else TOLERANCES[dtype]
