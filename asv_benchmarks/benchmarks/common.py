@@ -65,6 +65,9 @@ for _B in BLOCK_SIZES:
     VARIANTS[f"eigh-B{_B}"] = {"nonfinite": "propagate", "block_size": _B}
     VARIANTS[f"eigh-B{_B}-bf16"] = {"nonfinite": "propagate", "block_size": _B, "polar": {"dtype": "bfloat16"}}
 VARIANTS["eigh-bf16"] = {"nonfinite": "propagate", "polar": {"dtype": "bfloat16"}}
+#: Matmul-only roots of the blocks (Polar Express), for accelerators: "newton_schulz-B768" etc.
+for _B in BLOCK_SIZES:
+    VARIANTS[f"newton_schulz-B{_B}"] = {"nonfinite": "propagate", "inv_root": "newton_schulz", "block_size": _B}
 #: The configurations of the single-shape benchmarks (``FISMOStep``): the blocked ones are timed
 #: on the model sets.
 STEP_VARIANTS = ["default", "eigh", "newton_schulz", "eigh-every10"]

@@ -68,6 +68,7 @@ LABELS = {
 for _B in (256, 512, 768, 1024):
     LABELS[f"eigh-B{_B}"] = f"FISMO blocked, B = {_B}"
     LABELS[f"eigh-B{_B}-bf16"] = f"FISMO blocked, B = {_B}, bf16 polar"
+    LABELS[f"newton_schulz-B{_B}"] = f"FISMO blocked, B = {_B}, Newton–Schulz roots"
 LABELS.update({
     "eigh-bf16": "FISMO exact, bf16 polar",
     "scalable-shampoo": "ScalableShampoo (pytorch-optimizer, blocks of 512)",
@@ -332,6 +333,7 @@ def section_models(repeats: int, models: list, names: list, device: str) -> None
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
         }
+        results = load_model_results()  # again: another run may have stored rows meanwhile
         stored = results.setdefault(key, {})
         for name, t in times.items():
             stored[name] = {
@@ -358,7 +360,7 @@ def print_model_tables(device: str) -> None:
             continue
         shapes = MODEL_SETS[model]
         print(f"**{model}** ({len(shapes)} matrices: {', '.join(shape_name(s) for s in dict.fromkeys(shapes))})\n")
-        order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored]
+        order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored] + sorted(set(stored) - set(MODEL_VARIANTS + MODEL_ANCHORS))
         per_shape = [s for s in dict.fromkeys(shape_name(s) for s in shapes)] if len(set(shapes)) > 1 else []
         print("| optimizer | ms per step | / Muon float32 step | / torch.optim.Muon | "
               + "".join(f"/ Muon float32, {s} | " for s in per_shape) + "measured (UTC, load, repeats, threads) |")
@@ -409,7 +411,7 @@ def plot_models(device: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 6), squeeze=False)
     for ax, model in zip(axes[0], models):
         stored = results[f"{model}/{device}"]
-        order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored][::-1]
+        order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored] + sorted(set(stored) - set(MODEL_VARIANTS + MODEL_ANCHORS))[::-1]
         ratios = [stored[n]["seconds"] / stored[n]["muon_float32_seconds"] for n in order]
         colors = ["tab:blue" if n.startswith("eigh") else ("tab:green" if n.startswith("muon") else "tab:gray") for n in order]
         ax.barh(range(len(order)), ratios, color=colors)
