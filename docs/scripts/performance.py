@@ -359,7 +359,7 @@ def print_model_tables(device: str) -> None:
         if not stored:
             continue
         shapes = MODEL_SETS[model]
-        print(f"**{model}** ({len(shapes)} matrices: {', '.join(shape_name(s) for s in dict.fromkeys(shapes))})\n")
+        print(f"**{model}** ({len(shapes)} {'matrix' if len(shapes) == 1 else 'matrices'}: {', '.join(shape_name(s) for s in dict.fromkeys(shapes))})\n")
         order = [n for n in MODEL_VARIANTS + MODEL_ANCHORS if n in stored] + sorted(set(stored) - set(MODEL_VARIANTS + MODEL_ANCHORS))
         per_shape = [s for s in dict.fromkeys(shape_name(s) for s in shapes)] if len(set(shapes)) > 1 else []
         print("| optimizer | ms per step | / Muon float32 step | / torch.optim.Muon | "
