@@ -36,7 +36,6 @@ import math
 import sys
 import zipfile
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,13 +174,7 @@ def _dense(factor: Any) -> Any:
 
 
 class _JaxStepper:
-    """``optimizer.step_lines`` for one JAX target, compiled ahead of time once per shape.
-
-    `precompile` starts compiling every shape in a background thread: XLA
-    compiles with Python's lock released, so on a machine with two cores the
-    compilations (most of the JAX rows' time) run while the other backends
-    are being checked.
-    """
+    """``optimizer.step_lines`` for one JAX target, compiled ahead of time once per shape and dtype."""
 
     def __init__(self, optimizer: FISMO, target: Target) -> None:
         import jax
@@ -191,26 +184,11 @@ class _JaxStepper:
         self.jitted = jax.jit(optimizer.step_lines)
         self.compiled: dict[tuple[int, ...], Any] = {}
 
-    def _compile(self, shape: tuple[int, ...]) -> Any:
-        import numpy as np
-
-        W = self.target.asarray(np.zeros(shape))
-        state = _traced_step(self.optimizer.init(W))
-        return self.jitted.lower(W, W, state).compile()
-
-    def precompile(self, shapes: Sequence[tuple[int, ...]], pool: Any) -> None:
-        for shape in dict.fromkeys(shapes):
-            if shape not in self.compiled:
-                self.compiled[shape] = pool.submit(self._compile, shape)
-
     def __call__(self, W: Any, G: Any, state: Any) -> Any:
         shape = tuple(W.shape)
-        if shape not in self.compiled:
-            self.compiled[shape] = self._compile(shape)
-        compiled = self.compiled[shape]
-        if hasattr(compiled, "result"):  # a future of the background compilation
-            compiled = self.compiled[shape] = compiled.result()
-        return compiled(W, G, state)
+        if shape not in self.compiled:  # one compilation per shape, whatever the arrays' placement
+            self.compiled[shape] = self.jitted.lower(W, G, state).compile()
+        return self.compiled[shape](W, G, state)
 
 
 def _traced_step(state: Any) -> Any:
@@ -219,6 +197,9 @@ def _traced_step(state: Any) -> Any:
 
     return state._replace(step=jnp.asarray(state.step))
 
+
+JAX_PROCESS = True
+"""Check the JAX targets in a worker process, in parallel with the others (see `_jax_pool`)."""
 
 _JAX_STEPPERS: dict[tuple[FISMO, str], _JaxStepper] = {}
 """Compiled JAX steps by (optimizer, target id), so that repeated verifications in one process compile once."""
@@ -541,6 +522,49 @@ def _verify_target(
                   steps=reference.steps, details=details)
 
 
+_POOL: Any = None
+
+
+def _jax_pool() -> Any:
+    """One worker process for the JAX targets, started once per process and kept (its compiled steps with it).
+
+    JAX compiles one XLA program per shape and dtype, about 1 s of CPU each
+    and most of the JAX rows' time; compiling holds Python's lock much of the
+    time, so threads do not overlap it with the other backends, but a
+    process does: on two cores the JAX rows then run while NumPy,
+    array-api-strict and torch are checked. The process is started with
+    ``spawn`` (safe after torch and JAX have started threads) and imports
+    JAX while this process computes the reference.
+    """
+    global _POOL
+    if _POOL is None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        _POOL = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_jax_worker_init)
+    return _POOL
+
+
+def _jax_worker_init() -> None:
+    targets(backends=["jax"])  # imports JAX and switches on x64, as in the parent
+
+
+def _jax_worker(optimizer: FISMO, ids: Sequence[str], reference: Reference) -> list[dict[str, Any]]:
+    """Run in the worker: verify the JAX targets ``ids``; results as plain dicts (a `Target` does not pickle)."""
+    by_id = {t.id: t for t in targets(backends=["jax"])}
+    out = []
+    with full_float32_matmuls(), _one_thread():
+        for target_id in ids:
+            target = by_id[target_id]
+            try:
+                r = _verify_target(optimizer, target, reference)
+            except Exception as exc:
+                r = Result(target, math.inf, target.tolerance, exception=f"{type(exc).__name__}: {exc}",
+                           steps=reference.steps)
+            out.append({f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "target"})
+    return out
+
+
 def verify(
     *,
     steps: int = 50,
@@ -566,7 +590,7 @@ def verify(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     report = Report()
-    with full_float32_matmuls(), _one_thread(), ThreadPoolExecutor(max_workers=2) as pool:
+    with full_float32_matmuls(), _one_thread():
         if reference is None:
             optimizer = optimizer or FISMO()
             chosen = default_streams(steps, seed) if streams is None else list(streams)
@@ -574,25 +598,39 @@ def verify(
             optimizer = optimizer or reference.optimizer()
             chosen = reference.streams
         chosen_targets = _all_targets() if targets is None else list(targets)
-        steppers: dict[str, Any] = {}
-        for target in chosen_targets:
-            if target.available and target.backend == "jax":  # compile while the other backends run
-                try:
-                    steppers[target.id] = stepper = _stepper(optimizer, target)
-                    stepper.precompile([s.shape for s in chosen], pool)
-                except Exception:  # reported by the target's own run below
-                    steppers.pop(target.id, None)
+        jax_ids = [t.id for t in chosen_targets if t.available and t.backend == "jax"]
+        pool = _jax_pool() if JAX_PROCESS and jax_ids else None  # starts importing JAX now
         if reference is None:
             reference = Reference.compute(optimizer, chosen, steps=steps, seed=seed)
+        jax_results = None
+        if pool is not None:
+            try:
+                jax_results = pool.submit(_jax_worker, optimizer, jax_ids, reference)
+            except Exception:  # e.g. an optimizer that cannot be pickled: check JAX here instead
+                jax_results = None
         for target in chosen_targets:
             if not target.available:
                 report.append(Result(target, None, target.tolerance))
-                continue
+            elif target.backend != "jax" or jax_results is None:
+                try:
+                    report.append(_verify_target(optimizer, target, reference))
+                except Exception as exc:  # anything else a backend raises fails its row, not the run
+                    report.append(Result(target, math.inf, target.tolerance,
+                                         exception=f"{type(exc).__name__}: {exc}", steps=reference.steps))
+            else:
+                report.append(target)  # placeholder, filled in below
+        if jax_results is not None:
             try:
-                report.append(_verify_target(optimizer, target, reference, steppers.get(target.id)))
-            except Exception as exc:  # anything else a backend raises fails its row, not the run
-                report.append(Result(target, math.inf, target.tolerance, exception=f"{type(exc).__name__}: {exc}",
-                                     steps=reference.steps))
+                done = dict(zip(jax_ids, jax_results.result()))
+            except Exception:  # the worker could not run (pickling, a broken process): check JAX here
+                done = {}
+                for t in chosen_targets:
+                    if t.id in jax_ids:
+                        r = _verify_target(optimizer, t, reference)
+                        done[t.id] = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "target"}
+            for i, item in enumerate(report):
+                if isinstance(item, Target):
+                    report[i] = Result(item, **done[item.id])
     report.reference = reference  # type: ignore[attr-defined]
     return report
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -256,6 +257,39 @@ def test_without_explain_no_per_line_block(monkeypatch: pytest.MonkeyPatch, caps
     assert cli_main(["verify", "--steps", "1"]) == 1
     out = capsys.readouterr().out
     assert "FAIL at" in out and "> tolerance" not in out
+
+
+@dataclasses.dataclass(frozen=True)
+class _NotInProcess(PolarConfig):
+    """A polar factor that refuses JAX arrays in the process ``pid``: JAX rows pass only if checked elsewhere."""
+
+    pid: int = 0
+
+    def __call__(self, X: Any) -> Any:
+        if type(X).__module__.startswith("jax") and os.getpid() == self.pid:
+            raise RuntimeError("JAX was checked in the calling process")
+        return super().__call__(X)
+
+
+JAX = [t for t in AVAILABLE if t.backend == "jax"]
+
+
+@pytest.mark.skipif(not JAX, reason="JAX is not installed")
+def test_jax_rows_run_in_a_worker_process() -> None:
+    chosen = JAX + [t for t in AVAILABLE if t.id == "numpy-cpu-float32"]
+    results = verify(steps=2, optimizer=FISMO(polar=_NotInProcess(pid=os.getpid())), streams=ONE_STREAM, targets=chosen)
+    assert [r.passed for r in results] == [True] * len(chosen), [(r.target.id, r.verdict) for r in results]
+
+
+@pytest.mark.skipif(not JAX, reason="JAX is not installed")
+def test_jax_rows_fall_back_to_this_process_when_the_worker_cannot_take_the_optimizer() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Local(PolarConfig):  # defined in a function: cannot be pickled for the worker
+        pass
+
+    results = verify(steps=2, optimizer=FISMO(polar=Local()), streams=ONE_STREAM, targets=JAX)
+    assert [r.target.id for r in results] == [t.id for t in JAX]
+    assert all(r.passed for r in results), [(r.target.id, r.verdict) for r in results]
 
 
 def test_verify_main_returns_1_when_nothing_ran(monkeypatch: pytest.MonkeyPatch) -> None:
