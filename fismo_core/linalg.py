@@ -288,11 +288,13 @@ def polar(
         ``"svd"`` only (ignored by ``"newton_schulz"``, but validated): the
         relative cut. Singular values ``s <= rtol * sigma_max`` of each matrix
         are dropped. ``None`` (default): ``max(m, n) * eps`` of ``X``'s dtype
-        (:func:`default_polar_rtol`, the tolerance of
-        ``numpy.linalg.matrix_rank``), which drops the rounding-level
-        singular values of a matrix that is rank-deficient up to rounding
-        and no others unless ``X`` is that ill conditioned. A real number in
-        ``[0, 1)``; ``0`` drops exact zeros only.
+        ([`default_polar_rtol`][fismo_core.linalg.default_polar_rtol], the
+        tolerance of ``numpy.linalg.matrix_rank``), which drops the
+        rounding-level singular values of a matrix that is rank-deficient up
+        to rounding and no others unless ``X`` is that ill conditioned. A
+        real number in ``[0, 1)``; ``0`` drops exact zeros only. An ``X``
+        that carries more rounding than its own (FISMO's momentum over long
+        rank-deficient streams) needs a larger cut: see ``docs/linalg.md``.
     dtype:
         ``"newton_schulz"`` only: the dtype the iteration runs in. ``None``
         (default): ``X``'s. A name, ``"bfloat16"``, ``"float16"``,
