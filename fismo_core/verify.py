@@ -198,9 +198,6 @@ def _traced_step(state: Any) -> Any:
     return state._replace(step=jnp.asarray(state.step))
 
 
-JAX_PROCESS = True
-"""Check the JAX targets in a worker process, in parallel with the others (see `_jax_pool`)."""
-
 _JAX_STEPPERS: dict[tuple[FISMO, str], _JaxStepper] = {}
 """Compiled JAX steps by (optimizer, target id), so that repeated verifications in one process compile once."""
 
@@ -573,6 +570,7 @@ def verify(
     reference: Optional[Reference] = None,
     streams: Optional[Sequence[Stream]] = None,
     targets: Optional[Sequence[Target]] = None,
+    jax_process: bool = False,
 ) -> Report:
     """Check every target against the NumPy float64 reference; unavailable ones come back with ``error=None``.
 
@@ -582,6 +580,13 @@ def verify(
     streams are run with ``optimizer`` or, by default, the optimizer the
     reference was made with. ``targets`` defaults to every target
     (`fismo_core.testing.targets`); unavailable ones are reported as skipped.
+
+    ``jax_process=True`` (what ``fismo verify`` uses) checks the JAX targets
+    in a worker process, in parallel with the others (see `_jax_pool`). It
+    starts the worker with ``spawn``, which imports the calling script again:
+    call it from a script only under ``if __name__ == "__main__":``. If the
+    worker cannot take the optimizer (a class it cannot import), JAX is
+    checked in this process.
     """
     try:
         import numpy  # noqa: F401
@@ -599,7 +604,7 @@ def verify(
             chosen = reference.streams
         chosen_targets = _all_targets() if targets is None else list(targets)
         jax_ids = [t.id for t in chosen_targets if t.available and t.backend == "jax"]
-        pool = _jax_pool() if JAX_PROCESS and jax_ids else None  # starts importing JAX now
+        pool = _jax_pool() if jax_process and jax_ids else None  # starts importing JAX now
         if reference is None:
             reference = Reference.compute(optimizer, chosen, steps=steps, seed=seed)
         jax_results = None
@@ -668,9 +673,9 @@ def main(
             return 2
         print(f"FISMO verification against {against} ({reference.checksum}, made by fismo "
               f"{reference.library_version}; this is fismo {__version__}):", file=out)
-        report = verify(steps=reference.steps, seed=reference.seed, reference=reference)
+        report = verify(steps=reference.steps, seed=reference.seed, reference=reference, jax_process=True)
     else:
-        report = verify(steps=steps, seed=seed)
+        report = verify(steps=steps, seed=seed, jax_process=True)
         reference = report.reference  # type: ignore[attr-defined]
         print("FISMO verification against NumPy float64, FISMO() defaults:", file=out)
     print(_describe(reference) + "\n", file=out)

@@ -7,8 +7,9 @@ the table, exit codes, failures located to a step and line of Algorithm 1,
 reference files (save, load, every refusal) and ``--version``.
 
 Cost: the JAX rows compile one step per shape and dtype; the compiled steps
-are cached per optimizer in the process, so the in-process tests share them
-and only one test starts a subprocess for the real entry point.
+are cached per optimizer in the process that checks JAX (the worker process
+of ``fismo verify``, kept for the session), so the tests share them, and only
+one test starts a fresh ``fismo`` process.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 @pytest.fixture(scope="module")
 def results():
-    return verify(steps=STEPS)
+    # As fismo verify runs it (JAX in the worker process, whose compiled steps the CLI tests below reuse).
+    return verify(steps=STEPS, jax_process=True)
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +278,12 @@ JAX = [t for t in AVAILABLE if t.backend == "jax"]
 
 @pytest.mark.skipif(not JAX, reason="JAX is not installed")
 def test_jax_rows_run_in_a_worker_process() -> None:
+    """``fismo verify`` (``jax_process=True``) checks JAX in a worker; the API's default stays in process."""
+    in_process = verify(steps=2, optimizer=FISMO(polar=_NotInProcess(pid=os.getpid())), streams=ONE_STREAM, targets=JAX)
+    assert all("JAX was checked in the calling process" in r.exception for r in in_process)
     chosen = JAX + [t for t in AVAILABLE if t.id == "numpy-cpu-float32"]
-    results = verify(steps=2, optimizer=FISMO(polar=_NotInProcess(pid=os.getpid())), streams=ONE_STREAM, targets=chosen)
+    results = verify(steps=2, optimizer=FISMO(polar=_NotInProcess(pid=os.getpid())), streams=ONE_STREAM,
+                     targets=chosen, jax_process=True)
     assert [r.passed for r in results] == [True] * len(chosen), [(r.target.id, r.verdict) for r in results]
 
 
@@ -287,7 +293,7 @@ def test_jax_rows_fall_back_to_this_process_when_the_worker_cannot_take_the_opti
     class Local(PolarConfig):  # defined in a function: cannot be pickled for the worker
         pass
 
-    results = verify(steps=2, optimizer=FISMO(polar=Local()), streams=ONE_STREAM, targets=JAX)
+    results = verify(steps=2, optimizer=FISMO(polar=Local()), streams=ONE_STREAM, targets=JAX, jax_process=True)
     assert [r.target.id for r in results] == [t.id for t in JAX]
     assert all(r.passed for r in results), [(r.target.id, r.verdict) for r in results]
 
