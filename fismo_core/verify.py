@@ -665,6 +665,14 @@ def main(
     """``fismo verify``: print the table; return 0 if every available target passed, 1 if not, 2 for a bad reference file."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        print("fismo verify: needs NumPy, the reference backend: pip install 'fismo[numpy]'", file=err)
+        return 2
+    if save is not None and not Path(save).resolve().parent.is_dir():
+        print(f"fismo verify: cannot write {save}: directory {Path(save).resolve().parent} does not exist", file=err)
+        return 2
     if against is not None:
         try:
             reference = Reference.load(against)

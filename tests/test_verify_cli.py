@@ -451,6 +451,13 @@ def test_reference_keeps_a_non_default_configuration(tmp_path: Path) -> None:
     assert Reference.load(tmp_path / "r.npz").optimizer() == optimizer
 
 
+def test_save_into_a_missing_directory_is_refused_before_running(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "no" / "such" / "dir" / "ref.npz"
+    assert cli_main(["verify", "--save", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "directory" in captured.err and "does not exist" in captured.err
+
+
 def test_cli_rejects_conflicting_options(saved: Path, capsys) -> None:
     for extra in (["--steps", "3"], ["--seed", "1"], ["--save", "x.npz"]):
         with pytest.raises(SystemExit) as exc:
