@@ -215,6 +215,9 @@ def test_last_line_names_only_the_files_written() -> None:
     assert "2 PNG figures" in line and "61 s" in line and "100 CPU-seconds" in line
     line = demo.wrote_line("out", tables, 61.2, 100.4)
     assert "PNG" not in line and "matplotlib is not installed" in line
+    from fismo_core.demo.report import _minutes
+
+    assert [_minutes(s) for s in (61.2, 119.6, 299.6, 3600)] == ["61 s", "2 min 00 s", "5 min 00 s", "60 min 00 s"]
 
 
 # ------------------------------------------------------------------ end to end

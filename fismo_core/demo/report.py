@@ -376,7 +376,7 @@ def _plot_blocks(results: DemoResults, task: str, title: str, path: Path) -> Non
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     n = max((len(_selected(results, task, c)) for c in controls), default=0)
-    ax.set_title(f"{title}: full vs block-diagonal factors (mean over {n} seeds)", fontsize=9)
+    ax.set_title(f"{title}:\nfull vs block-diagonal factors, mean over {n} seeds", fontsize=9)
     _save(fig, path)
 
 
@@ -475,7 +475,9 @@ def digest(results: DemoResults) -> str:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+    """``95 s``, or ``5 min 00 s`` from two minutes on (rounded to the second first)."""
+    whole = round(seconds)
+    return f"{whole} s" if whole < 120 else f"{whole // 60} min {whole % 60:02d} s"
 
 
 def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, list[str]]:
@@ -504,6 +506,8 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
         f"Wall time: {_minutes(results.seconds)} ({results.config.jobs} parallel jobs{load}); "
         f"CPU time {results.cpu_seconds:.0f} s"
         + (f"; {results.reused} runs reused from the journal" if results.reused else "") + "  ",
+        f"{len(results.runs)} runs; their own CPU time adds up to {sum(r.cpu_seconds for r in results.runs):.0f} s "
+        "(training and measurements, without process start-up and reports).  ",
         f"{environment()}.  ",
         f"Result digest: `{digest(results)}` (every run's numbers, not its timings: the same digest means the "
         "same figures to the last bit).",
