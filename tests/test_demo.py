@@ -2,8 +2,8 @@
 
 The end-to-end checks share one run of the ``tiny`` preset (every optimizer
 and control of the main job, both tasks, 2 seeds, 40 digits steps and 16
-steps of a narrower GPT; about 25 CPU-seconds in one process), instead of
-``--quick --steps 40`` (80 CPU-seconds). A second run of the same preset in
+steps of a narrower GPT; about 20 CPU-seconds in one process), instead of
+``--quick --steps 40`` (the whole file took 154 CPU-seconds then, about 65 now). A second run of the same preset in
 two worker processes checks that the results are identical to the last bit;
 the command line is exercised by a 4-step run of one optimizer.
 """

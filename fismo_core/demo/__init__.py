@@ -5,10 +5,15 @@
   (held-out files),
 
 each with a learning-rate sweep per optimizer and the selected learning rate
-repeated over seeds; the condition number of the updates (the paper's
+repeated over seeds, and controls that change one thing at their base
+optimizer's learning rate (Muon with 7 Newton–Schulz steps or in float32;
+FISMO with block-diagonal factors, ``block_size=B``, or with its polar
+iteration in bfloat16); the condition number of the updates (the paper's
 condition-number figure) and FISMO's preconditioners ``P``, ``Q`` (printed
 statistics and the opt-in scale-invariant variant) are measured along the way.
-Everything is offline: both data sets are on the machine already.
+Everything is offline: both data sets are on the machine already. Two runs
+on the same CPU instruction set and software give the same numbers to the
+last bit (the report's result digest says so in one line).
 
 Needs torch, scikit-learn, matplotlib and tqdm; SOAP needs pytorch-optimizer
 (left out, with a note, when it is missing). See the documentation page
