@@ -18,7 +18,7 @@ documentation page "Performance", section "Blocking and the direction").
    ``||dW_t(B) - dW_t(full)||_F / ||dW_t(full)||_F``, over the steps (median, max, and the median
    of the last 50 steps, where a drift would show), and plot it against the step.
 
-    python docs/scripts/block_deviation.py              # 200 steps (about 3 minutes on 2 busy cores)
+    python docs/scripts/block_deviation.py              # 200 steps (52 minutes on 2 cores at load 10)
     python docs/scripts/block_deviation.py --steps 50   # quicker
 
 Open loop: every optimizer sees the gradients of the AdamW run, so the deviation is that of the

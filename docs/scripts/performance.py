@@ -5,7 +5,7 @@ table see the same machine state and their ratios are fair on a noisy machine; r
 within one run. The step callables are those of the asv suite (``asv_benchmarks/benchmarks/
 common.py``), so the page and the suite time the same code.
 
-    python docs/scripts/performance.py                    # all tables and the plot (22 minutes on 2 cores)
+    python docs/scripts/performance.py                    # all tables and plots (the models section takes an hour or more on 2 busy cores)
     python docs/scripts/performance.py --only flops       # one section: memory, functions, flops, batched, steps, plot
     python docs/scripts/performance.py --repeats 3        # fewer repeats (noisier)
     python docs/scripts/performance.py --only models --model gpt2-2layers --repeats 3   # real model shapes
