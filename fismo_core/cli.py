@@ -35,11 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a CNN on scikit-learn's digits and a byte-level GPT on the Python standard "
         "library's source, on the CPU and offline, with FISMO (printed and scale-invariant statistics), "
         "Muon, AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
-        "condition numbers of the updates and FISMO's preconditioners. About 10 minutes on 2 cores "
-        "(--quick: under 2 minutes).",
+        "condition numbers of the updates and FISMO's preconditioners. About 11 minutes and 17 CPU-minutes "
+        "on 2 cores at load 3 (--quick: about 2 CPU-minutes); see docs/results.md.",
     )
     demo.add_argument("--out", default="fismo-results", help="output directory (default fismo-results/)")
-    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds: under 2 minutes")
+    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds: about 2 CPU-minutes")
     demo.add_argument("--tasks", default="digits,text", help="comma-separated: digits, text (default both)")
     demo.add_argument(
         "--optimizers",

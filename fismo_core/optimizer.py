@@ -79,7 +79,15 @@ class PolarConfig:
                 f"got {self.dtype!r}"
             )
         if self.rtol is not None:
-            object.__setattr__(self, "rtol", _check_real("polar rtol", self.rtol, 0.0))
+            try:
+                object.__setattr__(self, "rtol", linalg._check_rtol(self.rtol))
+            except ValueError as exc:
+                raise ValueError(f"polar {exc}") from None
+        if self.method == "svd" and self.dtype is not None:
+            raise ValueError(
+                f"polar dtype={self.dtype!r} applies to the Newton–Schulz iteration only; the exact 'svd' method "
+                "is the reference and runs in the state's dtype: leave dtype=None"
+            )
 
     def __call__(self, X: Array) -> Array:
         return linalg.polar(

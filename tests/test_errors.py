@@ -362,3 +362,18 @@ def test_state_is_untouched_after_every_failing_call() -> None:
     for f in FIELDS:
         assert np.array_equal(getattr(new_state, f), getattr(expected_state, f)), f
     assert new_state.step == state.step + 1 == 2
+
+
+@pytest.mark.parametrize("rtol", [1.5, -0.1, math.nan, True, "1e-8"])
+def test_polar_rtol_is_checked_at_construction(rtol) -> None:
+    """The SVD cut must lie in [0, 1): refused when the optimizer is built, not at its first step."""
+    with pytest.raises(ValueError, match=r"polar rtol must be None or a real number in \[0, 1\)"):
+        FISMO(polar=PolarConfig(method="svd", rtol=rtol))
+
+
+def test_polar_iteration_dtype_with_the_exact_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="Newton–Schulz iteration only"):
+        PolarConfig(method="svd", dtype="bfloat16")
+    with pytest.raises(ValueError, match="polar dtype must be None"):
+        PolarConfig(dtype="int8")
+    assert PolarConfig(dtype="bfloat16").dtype == "bfloat16"
