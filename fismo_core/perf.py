@@ -26,6 +26,7 @@ from typing import Optional
 
 from . import linalg
 from .guards import checks_roots as _checks_roots
+from .kronecker import BlockDiagonalFactor, factor_structure, state_size
 from .optimizer import FISMO
 
 __all__ = [
@@ -51,10 +52,10 @@ def block_sizes(d: int, block_size: Optional[int] = None) -> list[int]:
     """The diagonal block sizes of a ``d x d`` factor: ``[d]`` when ``block_size`` is None or
     ``d <= block_size``, else ``d // B`` blocks of ``B`` and, if ``B`` does not divide ``d``, a last
     block of ``d mod B`` (the convention of Distributed Shampoo and ``FISMO(block_size=B)``)."""
-    if block_size is None or d <= block_size:
+    structure = factor_structure(d, block_size)
+    if not isinstance(structure, BlockDiagonalFactor):
         return [d]
-    full, rest = divmod(d, block_size)
-    return [block_size] * full + ([rest] if rest else [])
+    return [structure.B] * structure.k + ([structure.r] if structure.r else [])
 
 
 def _squares(d: int, block_size: Optional[int]) -> int:
@@ -153,7 +154,7 @@ def state_elements(m: int, n: int, block_size: Optional[int] = None) -> int:
     ``n`` (``block_sizes``), which is at most ``m n + 2 (m + n) B``, with equality when ``B``
     divides both sides (or a side is one block of size exactly ``B``).
     """
-    return m * n + 2 * (_squares(m, block_size) + _squares(n, block_size))
+    return state_size(m, n, block_size)
 
 
 def muon_state_elements(m: int, n: int) -> int:
