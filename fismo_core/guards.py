@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -248,9 +250,24 @@ def guarded_inverse_sqrt(
         f"they keep {name}_(t-1) and its cached root for this step. state.root_failures counts consecutive "
         f"failures; more than InverseRootConfig.max_failures = {config.max_failures} raise InverseRootError",
         InverseRootWarning,
-        stacklevel=5,
+        stacklevel=_caller_stacklevel(),
     )
     return select(xp, failed, A_prev, A), select(xp, failed, root_prev, root), failed
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call).
+
+    The depth differs between ``FISMO.step``, ``FISMO.direction`` and the
+    adapters, so it is counted rather than fixed.
+    """
+    import fismo_core.backends
+
+    roots = tuple(os.path.dirname(p) + os.sep for p in (__file__, fismo_core.backends.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _matrix_ok(xp: Any, residuals: list[Array], batch_ndim: int, tolerance: float) -> Array:

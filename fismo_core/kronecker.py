@@ -22,6 +22,7 @@ step stays the exact steepest descent for the block-diagonal metric.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -252,12 +253,5 @@ def state_size(m: int, n: int, block_size: Optional[int] = None) -> int:
     total = m * n
     for d in (m, n):
         structure = factor_structure(d, block_size)
-        total += 2 * sum(_prod(shape) for shape in structure.part_shapes())
+        total += 2 * sum(math.prod(shape) for shape in structure.part_shapes())
     return total
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out

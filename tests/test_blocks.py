@@ -266,8 +266,13 @@ def test_a_failing_block_root_falls_back_for_its_matrix_only() -> None:
     bad[1, 1] = -50 * np.eye(3)  # gamma P_{t-1} dominates: the new block is indefinite, eigh gives NaN roots
     state = state._replace(P=Blocks(bad, state.P.rest))
     G = reference_gradients((2, 7, 5), 1)[0]
-    with pytest.warns(InverseRootWarning):
+    with pytest.warns(InverseRootWarning) as record:
         _, new = opt.step(W, G, state)
+    # The warning points at the user's call, not into the library.
+    assert [w.filename for w in record if w.category is InverseRootWarning] == [__file__]
+    with pytest.warns(InverseRootWarning) as record:
+        opt.direction(G, state)
+    assert [w.filename for w in record if w.category is InverseRootWarning] == [__file__]
     assert new.root_failures.tolist() == [0, 1]
     assert np.array_equal(new.P.full[1], bad[1]) and not np.array_equal(new.P.full[0], state.P.full[0])
     assert np.all(np.isfinite(new.P_inv_sqrt.full))
