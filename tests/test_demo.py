@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ from fismo_core.demo.optimizers import (  # noqa: E402
     control_base,
     soap_available,
 )
-from fismo_core.demo.report import digest, summary_table, write_report  # noqa: E402
+from fismo_core.demo.report import digest, digest_key, summary_table, write_report  # noqa: E402
 from fismo_core.demo.run import _blocks_supported, run_demo, run_many  # noqa: E402
 from fismo_core.demo.tasks import DigitsTask  # noqa: E402
 from fismo_core.demo.train import (  # noqa: E402
@@ -243,6 +244,7 @@ def test_demo_writes_every_file(tiny_run) -> None:
     payload = json.loads((out / "results.json").read_text())
     assert payload["command"] == "fismo demo (tiny preset)" and payload["preset"] == "tiny"
     assert payload["cpu_seconds"] > 0 and len(payload["digest"]) == 16
+    assert payload["digest_key"] == digest_key()
 
 
 def test_demo_saves_the_tables(tiny_run) -> None:
@@ -262,7 +264,7 @@ def test_demo_saves_the_tables(tiny_run) -> None:
     assert report == (out / "report.md").read_text()
     assert "| optimizer | lr grid | selected lr | held-out loss |" in report
     assert "FISMO's preconditioners" in report and "Muon-NS7" in report and "Newton–Schulz precision" in report
-    assert f"Result digest: `{digest(results)}`" in report and "CPU time" in report
+    assert f"Result digest: `{digest(results)}` for {digest_key()}" in report and "CPU time" in report
     if BLOCKS:
         assert "Block-diagonal factors" in report and "| FISMO-SI-B32 | 32 |" in report
     if not soap_available():
@@ -325,6 +327,7 @@ def test_variant_moves_the_preconditioners_and_printed_does_not(tiny_run) -> Non
         assert min(dev[(task, "FISMO-SI")]) > 0.3
 
 
+@pytest.mark.numbers
 def test_two_runs_give_identical_results(tiny_run) -> None:
     """The same preset again, in two worker processes this time: the same numbers to the last bit."""
     _, _, _, first = tiny_run
@@ -334,6 +337,23 @@ def test_two_runs_give_identical_results(tiny_run) -> None:
     assert histories[0] == histories[1]  # as text: NaN (the text task's accuracy) is not equal to itself
     assert all(summary_table(first, t).split("CPU s / run")[0] == summary_table(second, t).split("CPU s / run")[0]
                for t in ("digits", "text"))
+
+
+@pytest.mark.numbers
+def test_digest_key_names_the_kernels_that_made_the_numbers() -> None:
+    """The digest's key changes with torch's CPU kernels, the one thing in it that differs between CPUs.
+
+    Forced in a fresh process (torch reads ``ATEN_CPU_CAPABILITY`` at import):
+    the key names the capability torch really uses and the variable that forced it.
+    """
+    key = subprocess.run(
+        [sys.executable, "-c", "from fismo_core.demo.report import digest_key; print(digest_key())"],
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert "torch " + torch.__version__ + " (DEFAULT kernels, forced by ATEN_CPU_CAPABILITY=default" in key
+    assert key != digest_key() or os.environ.get("ATEN_CPU_CAPABILITY") == "default"
+    for part in ("fismo ", "Python ", "scikit-learn "):
+        assert part in key
 
 
 def test_no_matplotlib_no_figures_claimed(tiny_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from .optimizers import CONDITION_OPTIMIZERS, control_base
 from .run import DemoResults
 from .train import RunResult
 
-__all__ = ["Summary", "digest", "environment", "summarise", "write_report"]
+__all__ = ["Summary", "digest", "digest_key", "environment", "summarise", "write_report"]
 
 _COLOURS = {
     "FISMO": "tab:red",
@@ -459,12 +459,42 @@ def environment() -> str:
     )
 
 
+def digest_key() -> str:
+    """What the result digest depends on besides the configuration, as one line.
+
+    The code (fismo's version), the data (the text task reads the Python
+    standard library's source; the digits come from scikit-learn) and
+    torch's CPU kernels: torch picks them by CPU at run time (its CPU
+    capability, e.g. AVX2 or AVX512; ``ATEN_CPU_CAPABILITY`` and
+    ``ONEDNN_MAX_CPU_ISA`` force others), and kernels of another
+    instruction set round differently. The demo does no NumPy linear
+    algebra, so OpenBLAS's kernels are not part of the key. Two runs with
+    the same key and configuration give the same digest; with another key
+    the digest is expected to differ, so compare digests only under equal
+    keys.
+    """
+    from importlib import metadata
+
+    from .. import __version__
+
+    try:
+        sklearn = metadata.version("scikit-learn")
+    except metadata.PackageNotFoundError:
+        sklearn = "not installed"
+    kernels = f"{torch.backends.cpu.get_cpu_capability()} kernels"
+    forced = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(v)]
+    if forced:
+        kernels += f", forced by {' '.join(forced)}"
+    return (f"fismo {__version__}, Python {platform.python_version()}, torch {torch.__version__} "
+            f"({kernels}, {platform.machine()}), scikit-learn {sklearn}")
+
+
 def digest(results: DemoResults) -> str:
     """SHA-256 of every run's numbers (curves, final values; not its timings), in a fixed order.
 
-    Two runs of the same configuration on the same CPU instruction set and
-    software give the same digest; it is the quick way to compare a fresh run
-    with a published one.
+    Two runs of the same configuration with the same `digest_key` (software
+    and CPU kernels) give the same digest; it is the quick way to compare a
+    fresh run with a published one of the same key.
     """
     timing = {"seconds", "cpu_seconds"}
     runs = sorted(results.runs, key=lambda r: (r.task, r.optimizer, r.lr, r.seed))
@@ -509,8 +539,9 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
         f"{len(results.runs)} runs; their own CPU time adds up to {sum(r.cpu_seconds for r in results.runs):.0f} s "
         "(training and measurements, without process start-up and reports).  ",
         f"{environment()}.  ",
-        f"Result digest: `{digest(results)}` (every run's numbers, not its timings: the same digest means the "
-        "same figures to the last bit).",
+        f"Result digest: `{digest(results)}` for {digest_key()} (every run's numbers, not its timings: "
+        "with the same key, the same digest means the same figures to the last bit; another key, such as "
+        "another CPU's kernels, gives other figures and another digest).",
     ]
     for name, reason in results.skipped.items():
         parts.append(f"\n**{name} skipped**: {reason}.")
@@ -583,6 +614,7 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
         "cpu_seconds": results.cpu_seconds,
         "environment": environment(),
         "digest": digest(results),
+        "digest_key": digest_key(),
         "python": sys.version,
         "skipped": results.skipped,
         "best_lr": [{"task": t, "optimizer": o, "lr": lr} for (t, o), lr in results.best_lr.items()],
