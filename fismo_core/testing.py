@@ -7,9 +7,12 @@ writes array-API code and wants it checked the same way:
   either available or with the reason it is not (library missing, no CUDA
   device, ...). A `Target` converts NumPy data to its arrays.
 - `check_backends(fn, *args)` runs any array-API function on every available
-  target and on NumPy float64, and returns a `Report`: one `Result` per
-  target (worst relative error, the per-dtype tolerance, the first output
-  that left it) that prints as the table of ``fismo verify``.
+  target and on NumPy float64, checks each output's namespace, device, dtype
+  and shape against what the inputs imply and its values against NumPy
+  float64, and returns a `Report`: one `Result` per target (worst relative
+  error, the per-dtype tolerance, the first output that failed and which
+  property) that prints as the table of ``fismo verify``. Its own errors
+  raise `HarnessError`, never a row.
 - `full_float32_matmuls()` pins true float32 matrix products (TF32 off) for
   the duration of a check; ``fismo_core.pytest_plugin`` exposes the targets
   as a pytest fixture.
@@ -25,13 +28,15 @@ import importlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .optimizer import FISMO, FISMOState
 
 __all__ = [
+    "DTYPE_NAMES",
     "TOLERANCES",
     "VERIFY_SHAPES",
+    "HarnessError",
     "Report",
     "Result",
     "Target",
@@ -102,9 +107,16 @@ class Target:
 
 
 def to_numpy(x: Any) -> Any:
-    """Any supported backend's array as a NumPy float64 array (copying from a device if needed)."""
+    """Any supported backend's array, a NumPy scalar or a Python number as a NumPy float64 array.
+
+    Copies from a device if needed. 0-d arrays and scalars (``xp.mean(x)`` is a
+    ``numpy.float64`` on NumPy) come back as 0-d arrays. Integer and boolean
+    arrays are widened exactly (integers up to 2**53).
+    """
     import numpy as np
 
+    if isinstance(x, (np.ndarray, np.generic)) or type(x) in _PYTHON_NUMBERS:
+        return np.asarray(x, dtype=np.float64)
     module = type(x).__module__.split(".")[0]
     if module == "cupy":
         return np.asarray(x.get(), dtype=np.float64)
@@ -112,14 +124,18 @@ def to_numpy(x: Any) -> Any:
         import torch
 
         return x.detach().to(device="cpu", dtype=torch.float64).numpy()
-    # NumPy, JAX (CPU) and array-api-strict (any of its virtual devices) export through
-    # DLPack, which knows no bfloat16: widen narrow floats first.
+    # JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack, which
+    # knows no bfloat16: widen narrow floats to float32 and integers to float64 first (both exact).
     from array_api_compat import array_namespace
 
     xp = array_namespace(x)
     if x.dtype not in (xp.float32, xp.float64):
-        x = xp.astype(x, xp.float32)
+        x = xp.astype(x, xp.float32 if xp.isdtype(x.dtype, "real floating") else xp.float64)
     return np.asarray(np.from_dlpack(x), dtype=np.float64)
+
+
+_PYTHON_NUMBERS = (bool, int, float)
+"""Python scalars an output may be (compared by value only). Exact types: ``numpy.float64`` subclasses ``float``."""
 
 
 def pin_full_float32_matmuls() -> None:
@@ -395,10 +411,14 @@ class Result:
 
     ``error`` is the worst relative error against NumPy float64 (``None``:
     skipped, see ``target.reason``; ``inf``: the target raised, see
-    ``exception``). ``where`` names the first quantity whose error left
-    ``tolerance`` (or where the exception was raised); ``details`` holds the
-    errors at that point (for `check_backends`: every output's error; for
-    ``fismo verify``: every line of Algorithm 1 at the failing step).
+    ``exception``, or an output could not be compared by value). ``where``
+    names the first quantity that failed (or where the exception was raised);
+    ``details`` holds the errors at that point (for `check_backends`: every
+    output's error; for ``fismo verify``: every line of Algorithm 1 at the
+    failing step). ``mismatches`` (`check_backends` only) names each output
+    whose namespace, device, dtype or shape is not what the inputs imply,
+    with what it found and expected, e.g. ``{"output[0]": "namespace numpy,
+    expected torch"}``.
     """
 
     target: Target
@@ -408,17 +428,25 @@ class Result:
     where: Optional[str] = None
     steps: Optional[int] = None
     details: Mapping[str, float] = field(default_factory=dict)
+    mismatches: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> Optional[bool]:
-        """``None`` when skipped, else whether it ran without error within the tolerance."""
+        """``None`` when skipped, else whether it ran without error, every output as expected, within the tolerance."""
         if self.error is None:
             return None
-        return self.exception is None and self.error <= self.tolerance
+        return self.exception is None and not self.mismatches and self.error <= self.tolerance
 
     @property
     def verdict(self) -> str:
-        """The table's last column: ``pass``, ``FAIL at ...``, ``FAIL (exception) ...`` or ``skipped: reason``."""
+        """The table's last column.
+
+        ``pass``; ``FAIL at W: what`` (output ``W``'s namespace, device,
+        dtype or shape, found and expected, e.g. ``FAIL at output[0]: dtype
+        float64, expected float32``); ``FAIL at W`` (its values left the
+        tolerance); ``FAIL (Exc: message)`` (the function raised); or
+        ``skipped: reason``.
+        """
         if self.error is None:
             return f"skipped: {self.target.reason}"
         if self.passed:
@@ -426,6 +454,8 @@ class Result:
         where = f" at {self.where}" if self.where else ""
         if self.exception is not None:
             return f"FAIL{where} ({self.exception})"
+        if self.where in self.mismatches:
+            return f"FAIL{where}: {self.mismatches[self.where]}"
         return f"FAIL{where}"
 
 
@@ -469,18 +499,28 @@ class Report(list):
         return f"{len(ran) - len(failed)} passed, {len(failed)} failed, {len(self) - len(ran)} skipped"
 
     def explain(self) -> str:
-        """For every failed target, the errors at its first failure (``details``), marked where above tolerance."""
+        """For every failed target, the errors at its first failure (``details``), marked where above
+        tolerance, and each output's mismatch (``mismatches``) beside its error."""
         blocks = []
         for r in self.failed:
             lines = [f"{r.target.id}: {r.verdict} (tolerance {r.tolerance:.0e})"]
             for name, err in r.details.items():
                 mark = "  > tolerance" if not err <= r.tolerance else ""
-                lines.append(f"    {name:<24s} {err:.2e}{mark}")
+                mismatch = f"  {r.mismatches[name]}" if name in r.mismatches else ""
+                lines.append(f"    {name:<24s} {err:.2e}{mark}{mismatch}")
             blocks.append("\n".join(lines))
         return "\n\n".join(blocks)
 
     def __str__(self) -> str:
         return self.table() + "\n\n" + self.summary()
+
+
+class HarnessError(RuntimeError):
+    """`check_backends` itself failed on a target: converting its inputs, or reading or comparing an output.
+
+    The check did not happen, so there is no verdict on the function for
+    that target; the original exception is chained (``__cause__``).
+    """
 
 
 def _flatten(out: Any, prefix: str = "output") -> dict[str, Any]:
@@ -499,14 +539,107 @@ def _flatten(out: Any, prefix: str = "output") -> dict[str, Any]:
     return flat
 
 
-def _as_numpy64(value: Any) -> Any:
+DTYPE_NAMES: tuple[str, ...] = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float32", "float64", "complex64", "complex128",
+)
+"""The array API's dtype names: what ``out_dtypes`` of `check_backends` may declare."""
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """What one target's converted inputs imply for the function's array outputs."""
+
+    xp: Any  # array_api_compat.array_namespace of the converted floating inputs
+    device: Any  # array_api_compat.device of the first of them
+    dtype: Any  # their floating dtype, in that namespace
+
+
+def _namespace_name(xp: Any) -> str:
+    return str(getattr(xp, "__name__", xp)).removeprefix("array_api_compat.")
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # torch.float32, array_api_strict.float32, float32: "float32"
+
+
+def _is_array(value: Any) -> bool:
+    from array_api_compat import is_array_api_obj
+
+    return type(value) not in _PYTHON_NUMBERS and is_array_api_obj(value)
+
+
+def _mismatch(value: Any, reference: Any, expected: _Expected, declared: Optional[str]) -> Optional[str]:
+    """How one output on a target differs from what its inputs imply, or ``None``.
+
+    ``reference`` is the same output of the NumPy float64 call (a NumPy array
+    or scalar, or a Python number), ``declared`` the dtype name the caller
+    declared for it. A Python number is compared by type only (it has no
+    namespace, device or dtype). Otherwise the namespace comes first: when it
+    is wrong, device and dtype are not comparable; then device, dtype and
+    shape, all those that differ.
+    """
+    from array_api_compat import array_namespace, device
+
+    if type(reference) in _PYTHON_NUMBERS:
+        if type(value) is type(reference):
+            return None
+        return f"type {type(value).__module__}.{type(value).__qualname__}, expected {type(reference).__name__}"
+    if not _is_array(value):
+        return f"namespace: {type(value).__qualname__} is not an array, expected {_namespace_name(expected.xp)}"
+    xp = array_namespace(value)
+    if xp is not expected.xp:
+        return f"namespace {_namespace_name(xp)}, expected {_namespace_name(expected.xp)}"
+    problems = []
+    if device(value) != expected.device:
+        problems.append(f"device {device(value)}, expected {expected.device}")
+    if declared is not None:
+        want, want_name = getattr(xp, declared), declared
+    elif reference.dtype.kind == "f":  # the inputs' floating dtype on this target
+        want, want_name = expected.dtype, _dtype_name(expected.dtype)
+    else:  # integer, boolean, complex: the dtype NumPy float64 returns
+        want, want_name = getattr(xp, reference.dtype.name), reference.dtype.name
+    if value.dtype != want:
+        problems.append(f"dtype {_dtype_name(value.dtype)}, expected {want_name}")
+    if tuple(value.shape) != reference.shape:
+        problems.append(f"shape {tuple(value.shape)}, expected {reference.shape}")
+    return "; ".join(problems) or None
+
+
+def _value_error(value: Any, reference: Any) -> float:
+    """`max_relative_error` of one output, or ``inf`` when it cannot be compared (not a number or array, another shape)."""
     import numpy as np
 
-    if isinstance(value, (bool, int, float)):
-        return np.float64(value)
-    if value is None:
-        return None
-    return to_numpy(value)
+    comparable = type(value) in _PYTHON_NUMBERS or (_is_array(value) and tuple(value.shape) == np.shape(reference))
+    return max_relative_error(value, reference) if comparable else math.inf
+
+
+def _declared_dtypes(out_dtypes: Union[str, Mapping[str, str], None], reference: Mapping[str, Any]) -> dict[str, str]:
+    """``out_dtypes`` as a dtype name per array output of the reference call (validated)."""
+    if out_dtypes is None:
+        return {}
+    arrays = [name for name, value in reference.items() if value is not None and type(value) not in _PYTHON_NUMBERS]
+    if isinstance(out_dtypes, str):
+        return dict.fromkeys(arrays, out_dtypes)
+    unknown = [name for name in out_dtypes if name not in arrays]
+    if unknown:
+        raise ValueError(f"out_dtypes names {unknown}, which are not array outputs of fn: those are {arrays}")
+    return dict(out_dtypes)
+
+
+def _check_out_dtypes(out_dtypes: Any) -> None:
+    if out_dtypes is None:
+        return
+    if isinstance(out_dtypes, str):
+        names = [out_dtypes]
+    elif isinstance(out_dtypes, Mapping):
+        names = list(out_dtypes.values())
+    else:
+        raise TypeError(f"out_dtypes must be a dtype name or a mapping from output name to dtype name, "
+                        f"got {type(out_dtypes).__name__}")
+    bad = [n for n in names if n not in DTYPE_NAMES]
+    if bad:
+        raise ValueError(f"out_dtypes: unknown dtype name(s) {bad}: use one of {list(DTYPE_NAMES)}")
 
 
 def check_backends(
@@ -514,75 +647,182 @@ def check_backends(
     *args: Any,
     targets: Optional[Sequence[Target]] = None,
     tolerances: Optional[Mapping[str, float]] = None,
+    out_dtypes: Union[str, Mapping[str, str], None] = None,
     **kwargs: Any,
 ) -> Report:
     """Run ``fn`` on every installed backend, device and dtype, and compare with NumPy float64.
 
     ``fn`` is any array-API function (it finds its namespace with
     ``array_api_compat.array_namespace`` from its inputs). Every floating
-    NumPy array among ``args`` and ``kwargs`` is converted to each target's
-    backend, device and dtype (other arguments are passed unchanged); the
-    reference call gets them as NumPy float64. The outputs (an array, or
-    tuples, lists, dicts and NamedTuples of arrays, nested) are compared
-    one by one with `max_relative_error`. A target passes when no output's
-    error exceeds ``tolerances[dtype]`` (default `TOLERANCES`, measured on
-    FISMO: pass your own for your function); a target that raises fails.
+    NumPy array among ``args`` and ``kwargs`` (at least one) is converted to
+    each target's backend, device and dtype; other arguments are passed
+    unchanged; the reference call gets them as NumPy float64. The outputs (an
+    array, or tuples, lists, dicts and NamedTuples of arrays, nested) are
+    checked one by one: each must be an array of the inputs' namespace
+    (``array_api_compat.array_namespace`` of the converted inputs: a NumPy
+    array returned for a torch input fails), on their device
+    (``array_api_compat.device``), of their floating dtype, and of the
+    reference's shape; then its values must be within ``tolerances[dtype]``
+    of the reference by `max_relative_error` (default `TOLERANCES`,
+    measured on FISMO: pass your own for your function). A target that
+    raises fails with its exception. NumPy scalars (``xp.mean(x)`` on NumPy)
+    are 0-d arrays; an output that is a Python number on NumPy float64 must
+    be one of the same type everywhere, and is compared by value only.
+
+    ``out_dtypes`` declares a dtype other than the inputs' floating one: a
+    name from `DTYPE_NAMES` for every array output (``"float64"`` for a
+    function that always returns float64), or a mapping from output names
+    as the report writes them (``"output[1]"``) to dtype names. An
+    undeclared output that is not floating on NumPy float64 (indices,
+    masks) must have the dtype it has there.
 
     ``targets`` defaults to `targets()` (unavailable ones are reported as
     skipped). Matrix products run in true float32 (`full_float32_matmuls`).
     An exception of the NumPy float64 reference call propagates.
 
-    Example::
+    An exception inside the harness (converting the inputs, reading or
+    comparing an output) is raised as a `HarnessError` naming the target,
+    never reported as the function's failure. Not as a row: the check did
+    not happen, so there is no verdict to put in one; a FAIL row would blame
+    ``fn`` for the harness's fault, and a third kind of row would have to be
+    taught to every reader of a `Report` (``ok``, the summary, ``fismo
+    verify``'s exit status, the assertions users write).
 
-        from fismo_core.testing import check_backends
-        import numpy as np
+    Examples
+    --------
+    A function written against the array API passes every target; one
+    that computes in NumPy whatever its input fails every other namespace,
+    although its values are right:
 
-        def gram(x):
-            return x @ x.mT / x.shape[-1]
+    >>> import numpy as np
+    >>> from array_api_compat import array_namespace
+    >>> from fismo_core.testing import check_backends, targets
+    >>> def gram(x):
+    ...     xp = array_namespace(x)
+    ...     return x @ xp.matrix_transpose(x) / x.shape[-1]
+    >>> def leaky_tanh(x):
+    ...     return np.tanh(np.asarray(x)) * 2
+    >>> x = np.random.default_rng(0).standard_normal((8, 5))
+    >>> cpu = targets(backends=["numpy", "array_api_strict"])
+    >>> report = check_backends(gram, x, targets=cpu)
+    >>> report.ok, report.summary()
+    (True, '4 passed, 0 failed, 0 skipped')
+    >>> for r in check_backends(leaky_tanh, x, targets=cpu):
+    ...     print(f"{r.target.id:<36} {r.error <= r.tolerance!s:<5} {r.verdict}")
+    numpy-cpu-float64                    True  pass
+    numpy-cpu-float32                    True  pass
+    array_api_strict-CPU_DEVICE-float64  True  FAIL at output: namespace numpy, expected array_api_strict
+    array_api_strict-CPU_DEVICE-float32  True  FAIL at output: namespace numpy, expected array_api_strict
 
-        report = check_backends(gram, np.random.default_rng(0).standard_normal((8, 5)))
-        print(report)          # the table of ``fismo verify``
-        assert report.ok
+    A function that returns float64 whatever its input fails the float32
+    rows, unless that dtype is declared:
+
+    >>> def mean64(x):
+    ...     xp = array_namespace(x)
+    ...     return xp.mean(xp.astype(x, xp.float64))
+    >>> [r.verdict for r in check_backends(mean64, x, targets=cpu) if not r.passed]
+    ['FAIL at output: dtype float64, expected float32', 'FAIL at output: dtype float64, expected float32']
+    >>> check_backends(mean64, x, targets=cpu, out_dtypes="float64").ok
+    True
     """
     import numpy as np
 
     tolerances = TOLERANCES if tolerances is None else tolerances
     chosen = _all_targets() if targets is None else list(targets)
+    for t in chosen:
+        if t.dtype not in tolerances:
+            raise ValueError(f"no tolerance for dtype {t.dtype!r} in {dict(tolerances)}")
+    _check_out_dtypes(out_dtypes)
 
-    def convert(value: Any, asarray: Callable[[Any], Any]) -> Any:
-        if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
-            return asarray(value)
-        return value
+    def floating(value: Any) -> bool:
+        return isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)
 
-    def call(asarray: Callable[[Any], Any]) -> dict[str, Any]:
-        a = [convert(v, asarray) for v in args]
-        k = {name: convert(v, asarray) for name, v in kwargs.items()}
-        return _flatten(fn(*a, **k))
+    if not any(floating(v) for v in (*args, *kwargs.values())):
+        raise ValueError("check_backends needs at least one floating NumPy array among the arguments of fn: "
+                         "those are what it converts to each target")
+
+    def convert(asarray: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any], list[Any]]:
+        """``fn``'s arguments with the floating arrays converted, and those converted arrays."""
+        a = [asarray(v) if floating(v) else v for v in args]
+        k = {name: asarray(v) if floating(v) else v for name, v in kwargs.items()}
+        converted = [c for c, v in zip((*a, *k.values()), (*args, *kwargs.values())) if floating(v)]
+        return a, k, converted
 
     report = Report()
     with full_float32_matmuls():
-        reference = {k: _as_numpy64(v) for k, v in call(lambda a: np.asarray(a, dtype=np.float64)).items()}
+        a, k, _ = convert(lambda v: np.asarray(v, dtype=np.float64))
+        reference = _flatten(fn(*a, **k))
+        for name, value in reference.items():
+            if not (value is None or type(value) in _PYTHON_NUMBERS or isinstance(value, (np.ndarray, np.generic))):
+                raise ValueError(f"fn returned a {type(value).__qualname__} at {name} on NumPy float64: "
+                                 "check_backends compares arrays, Python numbers and None")
+        reference64 = {name: to_numpy(v) for name, v in reference.items() if v is not None}
+        declared = _declared_dtypes(out_dtypes, reference)
         for t in chosen:
-            if t.dtype not in tolerances:
-                raise ValueError(f"no tolerance for dtype {t.dtype!r} in {dict(tolerances)}")
             tolerance = float(tolerances[t.dtype])
             if not t.available:
                 report.append(Result(t, None, tolerance))
                 continue
-            try:
-                out = call(t.asarray)
-                if set(out) != set(reference):
-                    raise ValueError(f"outputs {sorted(out)} differ from the reference's {sorted(reference)}")
-                errors = {}
-                for name, ref in reference.items():
-                    if ref is None:
-                        if out[name] is not None:
-                            raise ValueError(f"{name} is {out[name]!r} where the reference gives None")
-                        continue
-                    errors[name] = max_relative_error(_as_numpy64(out[name]), ref)
-            except Exception as exc:  # a target that crashes fails its row, not the check
-                report.append(Result(t, math.inf, tolerance, exception=f"{type(exc).__name__}: {exc}"))
-                continue
-            where = next((name for name, err in errors.items() if not err <= tolerance), None)
-            report.append(Result(t, max(errors.values(), default=0.0), tolerance, where=where, details=errors))
+            report.append(_check_target(fn, t, tolerance, convert, reference, reference64, declared))
     return report
+
+
+def _check_target(
+    fn: Callable[..., Any],
+    target: Target,
+    tolerance: float,
+    convert: Callable[[Callable[[Any], Any]], tuple[list[Any], dict[str, Any], list[Any]]],
+    reference: Mapping[str, Any],
+    reference64: Mapping[str, Any],
+    declared: Mapping[str, str],
+) -> Result:
+    """One row of `check_backends`: only ``fn``'s own exceptions become a FAIL; the harness's raise `HarnessError`."""
+    from array_api_compat import array_namespace, device
+
+    try:
+        a, k, converted = convert(target.asarray)
+        expected = _Expected(array_namespace(*converted), device(converted[0]), converted[0].dtype)
+    except Exception as exc:
+        raise HarnessError(f"check_backends could not convert the inputs to {target.id} "
+                           f"({type(exc).__name__}: {exc})") from exc
+    try:
+        out = fn(*a, **k)
+    except Exception as exc:  # the function raised: its failure on this target, not the check's
+        return Result(target, math.inf, tolerance, exception=f"{type(exc).__name__}: {exc}")
+    try:
+        return _compare(target, tolerance, _flatten(out), reference, reference64, declared, expected)
+    except Exception as exc:
+        raise HarnessError(f"check_backends failed comparing the outputs of {target.id} with NumPy float64 "
+                           f"({type(exc).__name__}: {exc})") from exc
+
+
+def _compare(
+    target: Target,
+    tolerance: float,
+    out: Mapping[str, Any],
+    reference: Mapping[str, Any],
+    reference64: Mapping[str, Any],
+    declared: Mapping[str, str],
+    expected: _Expected,
+) -> Result:
+    """The row of a target whose call returned ``out`` (flattened): every output's mismatch and error, the first failure."""
+    errors: dict[str, float] = {}
+    mismatches: dict[str, str] = {}
+    for name, ref in reference.items():
+        if name not in out:
+            errors[name], mismatches[name] = math.inf, "missing (NumPy float64 returns it)"
+        elif ref is None:
+            if out[name] is not None:
+                errors[name] = math.inf
+                mismatches[name] = f"{type(out[name]).__qualname__} where NumPy float64 returns None"
+        else:
+            mismatch = _mismatch(out[name], ref, expected, declared.get(name))
+            if mismatch is not None:
+                mismatches[name] = mismatch
+            errors[name] = _value_error(out[name], reference64[name])
+    for name in out:
+        if name not in reference:
+            errors[name], mismatches[name] = math.inf, "not among NumPy float64's outputs"
+    where = next((name for name, err in errors.items() if name in mismatches or not err <= tolerance), None)
+    return Result(target, max(errors.values(), default=0.0), tolerance, where=where, details=errors,
+                  mismatches=mismatches)

@@ -1,19 +1,31 @@
-"""The public harness: ``fismo_core.testing.check_backends``, ``targets`` filters,
+"""The public harness: ``fismo_core.testing.check_backends`` (values, and each output's
+namespace, device, dtype and shape; harness errors kept apart from the function's;
+functions from array-api-extra and SciPy run through it), ``targets`` filters,
 ``full_float32_matmuls``, the pytest plugin's fixtures, and the errata claims
 of ``docs/verification.md`` (the paper's Theorem 1 against Algorithm 1)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 from array_api_compat import array_namespace, is_numpy_namespace
+from array_api_compat import device as array_device
+
+import fismo_core.testing as testing_mod
 
 from fismo_core import FISMO
 from fismo_core.testing import (
     TOLERANCES,
+    HarnessError,
     Report,
     Target,
     check_backends,
@@ -46,7 +58,7 @@ def test_a_correct_function_passes_everywhere() -> None:
             assert r.error is None and r.passed is None
             continue
         assert r.passed and r.where is None and r.tolerance == TOLERANCES[r.target.dtype]
-        assert list(r.details) == ["output"]
+        assert list(r.details) == ["output"] and r.mismatches == {}
         if r.target.dtype == "float32":
             assert 1e-9 < r.error < 1e-6  # float32 rounding of one product, not a copy of the reference
         elif r.target.backend in ("numpy", "array_api_strict"):
@@ -97,14 +109,15 @@ def test_nested_outputs_are_named_in_order() -> None:
 
 def test_non_array_arguments_pass_unchanged() -> None:
     seen = []
+    columns = np.array([4, 0, 2])  # an integer NumPy array: passed as is, not part of the expected namespace
 
-    def f(x: Any, axis: int, *, scale: float) -> Any:
-        seen.append((axis, scale))
+    def f(x: Any, axis: int, index: Any, *, scale: float) -> Any:
+        seen.append((axis, scale, index is columns))
         xp = array_namespace(x)
-        return xp.sum(x, axis=axis) * scale
+        return xp.take(xp.sum(x, axis=axis), xp.asarray(index, device=array_device(x)), axis=-1) * scale
 
-    report = check_backends(f, X, 1, scale=2.0, targets=[t for t in AVAILABLE if t.dtype == "float64"])
-    assert report.ok and set(seen) == {(1, 2.0)}
+    report = check_backends(f, X, 1, columns, scale=2.0, targets=[t for t in AVAILABLE if t.dtype == "float64"])
+    assert report.ok and set(seen) == {(1, 2.0, True)}, report.explain()
 
 
 def test_a_raising_target_fails_its_row_and_a_raising_reference_propagates() -> None:
@@ -126,14 +139,18 @@ def test_a_raising_target_fails_its_row_and_a_raising_reference_propagates() -> 
         check_backends(broken, X)
 
 
-def test_shape_mismatch_fails() -> None:
+def test_shape_mismatch_fails_and_names_both_shapes() -> None:
     def f(x: Any) -> Any:
         xp = array_namespace(x)
         return x if is_numpy_namespace(xp) else x[..., :-1]
 
-    report = check_backends(f, X, targets=[t for t in AVAILABLE if t.backend in ("numpy", "torch")])
-    assert all(r.passed for r in report if r.target.backend == "numpy")
-    assert all(r.passed is False and "shape" in r.exception for r in report if r.target.backend == "torch")
+    report = check_backends(f, X, targets=AVAILABLE)
+    for r in report:
+        if r.target.backend == "numpy":
+            assert r.passed
+        else:  # values of another shape cannot be compared: the error is inf, the verdict names the shapes
+            assert r.passed is False and r.exception is None and r.error == math.inf
+            assert r.verdict == f"FAIL at output: shape (3, 8, 4), expected {X.shape}"
 
 
 def test_tolerances_are_per_dtype_and_overridable() -> None:
@@ -188,6 +205,331 @@ def test_check_backends_runs_with_tf32_off() -> None:
     finally:
         torch.set_float32_matmul_precision("highest")
     assert set(seen) == {"highest"}
+
+
+# --------------------------------------- each output's namespace, device, dtype, shape
+NAMESPACE = {"numpy": "numpy", "array_api_strict": "array_api_strict", "torch": "torch", "jax": "jax.numpy", "cupy": "cupy"}
+"""How a verdict names each backend's namespace: array_api_compat's module, without its ``array_api_compat.`` prefix."""
+
+NUMPY = [t for t in AVAILABLE if t.backend == "numpy"]
+
+
+def _numpy_inside(x: Any) -> Any:
+    """Issue 18's example: right values, computed in and returned as NumPy whatever the input."""
+    return np.tanh(np.asarray(x)) * 2
+
+
+def _float64_mean(x: Any) -> Any:
+    """Returns float64 whatever the input's dtype."""
+    xp = array_namespace(x)
+    return xp.mean(xp.astype(x, xp.float64), axis=-1)
+
+
+def test_a_numpy_array_returned_for_another_backend_fails_its_namespace() -> None:
+    report = check_backends(_numpy_inside, X, targets=AVAILABLE)
+    assert {"array_api_strict", "torch", "jax"} <= {r.target.backend for r in report}  # the test extras' backends
+    for r in report:
+        assert r.error <= r.tolerance  # the values are right ...
+        if r.target.backend == "numpy":
+            assert r.passed, r.verdict
+        else:  # ... the array is NumPy's
+            assert r.passed is False and r.exception is None
+            assert r.verdict == f"FAIL at output: namespace numpy, expected {NAMESPACE[r.target.backend]}"
+    assert "output                   0.00e+00  namespace numpy, expected torch" in report.explain()
+
+
+def test_a_float64_result_for_float32_input_fails_the_float32_rows_unless_declared() -> None:
+    report = check_backends(_float64_mean, X, targets=AVAILABLE)
+    for r in report:
+        assert r.error <= r.tolerance
+        if r.target.dtype == "float64":
+            assert r.passed, r.verdict
+        else:
+            assert r.verdict == "FAIL at output: dtype float64, expected float32"
+    assert check_backends(_float64_mean, X, targets=AVAILABLE, out_dtypes="float64").ok
+    # Per output: the first keeps the inputs' dtype, the second is declared.
+    def both(x: Any) -> Any:
+        return x * 2.0, _float64_mean(x)
+
+    assert check_backends(both, X, targets=AVAILABLE, out_dtypes={"output[1]": "float64"}).ok
+    declared_wrong = check_backends(both, X, targets=AVAILABLE, out_dtypes={"output[0]": "float64"})
+    for r in declared_wrong:
+        if r.target.dtype == "float32":
+            assert r.verdict == "FAIL at output[0]: dtype float32, expected float64"
+            assert r.mismatches == {"output[0]": "dtype float32, expected float64",
+                                    "output[1]": "dtype float64, expected float32"}
+        else:
+            assert r.passed
+
+
+def test_a_0d_result_passes_everywhere_numpy_scalars_included() -> None:
+    assert type(np.mean(X)) is np.float64  # NumPy returns a scalar, not an array: the case that used to crash
+
+    def mean(x: Any) -> Any:
+        return array_namespace(x).mean(x)
+
+    report = check_backends(mean, X, targets=AVAILABLE)
+    assert report.ok and len(report) == len(AVAILABLE), report.explain()
+    assert all(r.error <= r.tolerance and list(r.details) == ["output"] for r in report)
+
+
+@pytest.mark.parametrize("target", AVAILABLE, ids=lambda t: t.id)
+def test_to_numpy_takes_0d_arrays_and_scalars(target: Target) -> None:
+    xp, x = target.xp, target.asarray(X)
+    for value in (xp.mean(x), xp.sum(x), x[0, 0, 0]):
+        got = to_numpy(value)
+        assert isinstance(got, np.ndarray) and got.shape == () and got.dtype == np.float64
+    # float32 rounding of the data and of the sum: well within the float32 tolerance
+    assert abs(float(to_numpy(xp.mean(x))) - float(np.mean(X))) <= TOLERANCES[target.dtype] * np.mean(np.abs(X))
+    big = xp.asarray([2**40 + 1])  # integers widen exactly (through float32, 2**40 + 1 would round)
+    assert int(to_numpy(big)[0]) == 2**40 + 1
+
+
+def test_to_numpy_takes_numpy_scalars_and_python_numbers() -> None:
+    for value, expected in ((np.float32(1.5), 1.5), (np.float64(2.5), 2.5), (np.int64(3), 3.0), (True, 1.0), (7, 7.0), (0.25, 0.25)):
+        got = to_numpy(value)
+        assert got.shape == () and got.dtype == np.float64 and got == expected
+
+
+def test_an_output_on_another_device_fails_its_device() -> None:
+    xs = pytest.importorskip("array_api_strict")
+    other = xs.Device("device1")  # array-api-strict's virtual devices: a device mismatch without a GPU
+
+    def moved(x: Any) -> Any:
+        xp = array_namespace(x)
+        return xp.asarray(x, device=other) if xp is xs else x
+
+    report = check_backends(moved, X, targets=[t for t in AVAILABLE if t.backend in ("numpy", "array_api_strict")])
+    for r in report:
+        if r.target.backend == "numpy":
+            assert r.passed
+        else:
+            assert r.verdict == f"FAIL at output: device {other}, expected {xs.Device('CPU_DEVICE')}"
+
+
+def test_every_wrong_property_is_named() -> None:
+    def f(x: Any) -> Any:  # on float32 input: another dtype and another shape
+        xp = array_namespace(x)
+        return x if x.dtype == xp.float64 else xp.astype(x[..., :-1], xp.float64)
+
+    r32 = check_backends(f, X, targets=NUMPY)[1]
+    assert r32.target.dtype == "float32" and r32.error == math.inf
+    assert r32.verdict == f"FAIL at output: dtype float64, expected float32; shape (3, 8, 4), expected {X.shape}"
+
+
+def test_index_and_mask_outputs_keep_numpys_dtype() -> None:
+    def f(x: Any) -> Any:
+        xp = array_namespace(x)
+        return xp.argmax(x, axis=-1), x > 0
+
+    assert check_backends(f, X, targets=AVAILABLE).ok
+
+    def narrow_indices(x: Any) -> Any:
+        xp = array_namespace(x)
+        i = xp.argmax(x, axis=-1)
+        return i if x.dtype == xp.float64 else xp.astype(i, xp.int32)
+
+    report = check_backends(narrow_indices, X, targets=NUMPY)
+    assert [r.verdict for r in report] == ["pass", "FAIL at output: dtype int32, expected int64"]
+    assert check_backends(narrow_indices, X, targets=NUMPY[1:], out_dtypes="int32").ok
+
+
+def test_python_numbers_are_compared_by_value_and_type() -> None:
+    def total(x: Any) -> Any:
+        return float(array_namespace(x).sum(x))
+
+    assert check_backends(total, X, targets=AVAILABLE).ok
+
+    def float_on_numpy_only(x: Any) -> Any:
+        xp = array_namespace(x)
+        return float(xp.sum(x)) if is_numpy_namespace(xp) else xp.sum(x)
+
+    for r in check_backends(float_on_numpy_only, X, targets=AVAILABLE):
+        if r.target.backend == "numpy":
+            assert r.passed
+        else:
+            kind = type(r.target.xp.sum(r.target.asarray(X)))
+            assert r.verdict == f"FAIL at output: type {kind.__module__}.{kind.__qualname__}, expected float"
+
+
+def test_outputs_missing_extra_or_not_arrays_on_a_target_fail() -> None:
+    def f(x: Any) -> Any:
+        xp = array_namespace(x)
+        if is_numpy_namespace(xp):
+            return x, None, x
+        if x.dtype == xp.float64:
+            return x, x  # output[1]: an array where NumPy gives None; output[2] missing
+        return x, None, "x", x  # output[2]: not an array; output[3]: extra
+
+    report = check_backends(f, X, targets=[t for t in AVAILABLE if t.backend in ("numpy", "torch")])
+    for r in report:
+        if r.target.backend == "numpy":
+            assert r.passed
+        elif r.target.dtype == "float64":
+            assert r.mismatches == {"output[1]": "Tensor where NumPy float64 returns None",
+                                    "output[2]": "missing (NumPy float64 returns it)"}
+            assert r.where == "output[1]"
+        else:
+            assert r.mismatches == {"output[2]": "namespace: str is not an array, expected torch",
+                                    "output[3]": "not among NumPy float64's outputs"}
+            assert r.verdict == "FAIL at output[2]: namespace: str is not an array, expected torch"
+
+
+def test_bad_arguments_are_refused_before_fn_runs() -> None:
+    calls = []
+
+    def f(x: Any) -> Any:
+        calls.append(x)
+        return x
+
+    with pytest.raises(ValueError, match="needs at least one floating NumPy array"):
+        check_backends(f, [1.0, 2.0], targets=NUMPY)
+    with pytest.raises(TypeError, match="out_dtypes must be a dtype name or a mapping"):
+        check_backends(f, X, targets=NUMPY, out_dtypes=np.float32)
+    with pytest.raises(ValueError, match=r"out_dtypes: unknown dtype name\(s\) \['float16'\]"):
+        check_backends(f, X, targets=NUMPY, out_dtypes="float16")
+    with pytest.raises(ValueError, match="no tolerance for dtype 'float32'"):
+        check_backends(f, X, targets=NUMPY, tolerances={"float64": 1e-10})
+    assert calls == []
+    # Output names are known once the reference has run; nothing else has.
+    with pytest.raises(ValueError, match=r"out_dtypes names \['output\[3\]'\], which are not array outputs of fn"):
+        check_backends(f, X, targets=NUMPY, out_dtypes={"output[3]": "float64"})
+    with pytest.raises(ValueError, match="fn returned a str at output on NumPy float64"):
+        check_backends(lambda x: "x", X, targets=NUMPY)
+
+
+# ------------------------------------------- the harness's errors are not the function's
+def test_a_harness_error_is_raised_never_reported_as_the_functions_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def f(x: Any) -> Any:
+        calls.append(type(x))
+        return x * 2
+
+    def broken(*args: Any, **kwargs: Any) -> float:
+        raise RuntimeError("a bug in the comparison")
+
+    monkeypatch.setattr(testing_mod, "max_relative_error", broken)
+    with pytest.raises(HarnessError, match=r"numpy-cpu-float64 .*RuntimeError: a bug in the comparison") as info:
+        check_backends(f, X, targets=NUMPY)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert calls == [np.ndarray, np.ndarray]  # the reference and the target: fn returned before the harness failed
+
+
+def test_an_input_the_harness_cannot_convert_is_a_harness_error() -> None:
+    calls = []
+
+    def unconvertible(a: Any, dtype: str) -> Any:
+        raise BufferError("no such device")
+
+    target = Target("numpy", "cpu", "float32", _asarray=unconvertible)
+    with pytest.raises(HarnessError, match=r"could not convert the inputs to numpy-cpu-float32 \(BufferError: no such device\)"):
+        check_backends(lambda x: calls.append(x) or x, X, targets=[target])
+    assert len(calls) == 1  # only the reference call ran
+
+
+# ------------------------------------------------------- functions nobody here wrote
+SAMPLES = np.random.default_rng(0).standard_normal((4, 50))
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "verification.md"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # torch.float32, array_api_strict.float32, float32
+
+
+def test_array_api_extra_sinc_and_kron_pass_every_target() -> None:
+    xpx = pytest.importorskip("array_api_extra")
+    a, b = np.random.default_rng(1).standard_normal((2, 3, 4))
+    for report in (check_backends(xpx.sinc, SAMPLES, targets=AVAILABLE), check_backends(xpx.kron, a, b, targets=AVAILABLE)):
+        assert report.ok and len(report) == len(AVAILABLE), report.explain()
+
+
+def test_array_api_extra_cov_is_judged_by_the_dtype_it_really_returns() -> None:
+    """xpx.cov computes in float64 on some backends and keeps float32 on others; each row's verdict is
+    what the function returns there, read directly (not through the harness)."""
+    xpx = pytest.importorskip("array_api_extra")
+    report = check_backends(xpx.cov, SAMPLES, targets=AVAILABLE)
+    for r in report:
+        returned = _dtype_name(xpx.cov(r.target.asarray(SAMPLES)).dtype)
+        assert r.error <= r.tolerance
+        if returned == r.target.dtype:
+            assert r.passed, r.verdict
+        else:
+            assert r.verdict == f"FAIL at output: dtype {returned}, expected {r.target.dtype}"
+
+
+def _documented(marker: str) -> tuple[str, list[str]]:
+    """The python block of docs/verification.md that contains ``marker``, and the lines of the text block after it."""
+    for code, shown in re.findall(r"```python\n(.*?)\n```\s*```text\n(.*?)\n```", DOCS.read_text(), re.S):
+        if marker in code:
+            return code, shown.splitlines()
+    raise AssertionError(f"no python block with {marker!r} followed by its output in {DOCS}")
+
+
+def _available_lines(shown: list[str], printed: list[str]) -> None:
+    """The page's lines for the targets available here are exactly what the code printed (in order)."""
+    ids = {t.id for t in AVAILABLE}
+    expected = [line for line in shown if any(f" {i} " in f" {line} " for i in ids)]
+    assert printed == expected
+    assert any("numpy-cpu-float32" in line for line in printed)
+
+
+@pytest.mark.numbers
+@pytest.mark.parametrize("marker", ["def numpy_inside", "xpx.cov"])
+def test_the_pages_examples_print_what_it_shows(marker: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("array_api_extra")
+    code, shown = _documented(marker)
+    exec(compile(code, str(DOCS), "exec"), {"np": np, "array_namespace": array_namespace, "check_backends": check_backends})
+    _available_lines(shown, capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.numbers
+def test_the_pages_gram_table_has_the_verdicts_this_machine_gives() -> None:
+    """The table's error digits are per CPU kernel (the page says so); its rows and verdicts are not."""
+    code, shown = _documented("def gram")
+    rows = {tuple(re.split(r"\s{2,}", line)[:3]): re.split(r"\s{2,}", line)[-1] for line in shown[2:] if line.strip()
+            and not SUMMARY_LINE.match(line)}
+    report = check_backends(gram, np.random.default_rng(0).standard_normal((8, 5)), targets=AVAILABLE)
+    for r in report:
+        assert rows[(r.target.backend, r.target.device, r.target.dtype)] == r.verdict == "pass"
+
+
+SUMMARY_LINE = re.compile(r"^\d+ passed, \d+ failed, \d+ skipped$")
+
+
+SCIPY_CHECK = """
+import json, os, sys
+os.environ["SCIPY_ARRAY_API"] = "1"
+import numpy as np
+from array_api_compat import is_numpy_array
+exec(compile(sys.argv[1], "docs/verification.md", "exec"), {})
+import scipy.linalg
+from fismo_core.testing import targets
+x = np.random.default_rng(0).standard_normal((4, 4)) / 4
+returns_numpy = {t.id: is_numpy_array(scipy.linalg.expm(t.asarray(x))) for t in targets() if t.available}
+print(json.dumps(returns_numpy))
+"""
+
+
+def test_scipy_functions_run_through_the_harness() -> None:
+    """SciPy reads SCIPY_ARRAY_API at its first import: the page's example runs in a fresh process. What it prints
+    is what the page shows; expm's rows fail on namespace exactly where expm itself returns a NumPy array."""
+    pytest.importorskip("scipy")
+    code, shown = _documented("scipy.linalg.expm")
+    env = {k: v for k, v in os.environ.items() if k != "SCIPY_ARRAY_API"}
+    proc = subprocess.run([sys.executable, "-c", SCIPY_CHECK, code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    *printed, last = proc.stdout.splitlines()
+    _available_lines(shown, printed)
+    returns_numpy = json.loads(last)
+    for line in printed:
+        name, target_id, verdict = line.split(maxsplit=2)
+        backend = target_id.split("-")[0]
+        if name == "logsumexp" or backend == "numpy":
+            assert verdict == "pass"
+        else:
+            assert returns_numpy[target_id]
+            assert verdict == f"FAIL at output: namespace numpy, expected {NAMESPACE[backend]}"
 
 
 # ------------------------------------------------------------- the plugin
