@@ -10,6 +10,11 @@ Each matrix function has an *exact* method (``eigh`` / ``svd``, the reference)
 and a *matmul-only* method (Newton–Schulz, the fast path on accelerators).
 Their accuracy against each other is documented in the docstrings and tested
 in ``tests/test_linalg.py``.
+
+`polar` and `inverse_sqrt` refuse input on which they would be wrong (NaN or
+infinity; for ``inverse_sqrt`` also non-symmetric, indefinite or singular to
+working precision) with `LinalgInputError`; ``check=False`` turns the checks
+and their host reads off. ``docs/linalg.md`` opens with the SciPy equivalents.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from array_api_compat import array_namespace, device
 
 __all__ = [
     "CUBIC_COEFFICIENTS",
+    "LinalgInputError",
     "MUON_COEFFICIENTS",
     "POLAR_DTYPE_NAMES",
     "POLAR_EXPRESS_COEFFICIENTS",
     "default_polar_rtol",
     "inverse_sqrt",
+    "inverse_sqrt_tolerance",
     "inverse_sqrt_steps",
     "newton_schulz_schedule",
     "polar",
@@ -126,8 +133,7 @@ def newton_schulz_schedule(
     A schedule shorter than ``steps`` repeats its last triple (Muon's single
     triple at every step; Polar Express past its eighth step).
     """
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    _check_integer("steps", steps)
     if isinstance(coefficients, str):
         if coefficients not in _NAMED_SCHEDULES:
             raise ValueError(
@@ -187,6 +193,145 @@ def _check_float_matrices(X: Array, name: str, *, square: bool = False) -> Any:
     return xp
 
 
+class LinalgInputError(ValueError):
+    """Input on which a matrix function would return a wrong answer without saying so.
+
+    Raised by [`polar`][fismo_core.linalg.polar] and
+    [`inverse_sqrt`][fismo_core.linalg.inverse_sqrt] when their input checks
+    (``check=True``, the default) find a NaN or an infinity, a matrix that is
+    not symmetric, or one that is not positive definite to working precision.
+    The message names the function, the argument (with the batch index of the
+    first failing matrix), the measure that failed and its value. A subclass
+    of ``ValueError``.
+    """
+
+
+def _check_flag(check: Any) -> bool:
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be True or False, got {check!r}")
+    return check
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``float64`` for NumPy's, torch's (``torch.float64``), JAX's and array-api-strict's float64."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _first_failure(xp: Any, failed: Array, batch_shape: tuple[int, ...], name: str) -> tuple[str, int]:
+    """``(label, flat index)`` of the first matrix flagged in the batch-shaped boolean ``failed``.
+
+    The label is ``name`` for a single matrix and ``name[i, j]`` for a batch,
+    followed by how many matrices of the batch fail; two host reads.
+    """
+    flat = xp.reshape(failed, (-1,))
+    first = int(xp.argmax(xp.astype(flat, xp.int8)))
+    if not batch_shape:
+        return name, first
+    count = int(xp.sum(xp.astype(flat, xp.int32)))
+    index, rest = [], first
+    for size in reversed(batch_shape):
+        rest, i = divmod(rest, size)
+        index.append(i)
+    label = f"{name}[{', '.join(map(str, reversed(index)))}] ({count} of {math.prod(batch_shape)} matrices of the batch fail)"
+    return label, first
+
+
+def _matrix(xp: Any, X: Array, flat_index: int) -> Array:
+    """Matrix ``flat_index`` of the batch ``X`` ``(..., m, n)`` flattened to ``(-1, m, n)``."""
+    return xp.reshape(X, (-1, *X.shape[-2:]))[flat_index, ...]
+
+
+def _checks_can_run(xp: Any, X: Array, name: str, function: str) -> bool:
+    """Raise `LinalgInputError` if ``X`` has a NaN or an infinity; ``False`` if ``X`` is traced.
+
+    The first host read of a function's checks: under ``jax.jit`` it raises
+    ``jax.errors.ConcretizationTypeError`` (a ``TypeError``), and the caller
+    then leaves all its checks out (nothing can be read while tracing).
+    """
+    try:
+        if bool(xp.all(xp.isfinite(X))):
+            return True
+    except TypeError:
+        return False
+    failed = ~xp.all(xp.isfinite(X), axis=(-2, -1))
+    label, first = _first_failure(xp, failed, tuple(X.shape[:-2]), name)
+    bad = _matrix(xp, X, first)
+    nan = int(xp.sum(xp.astype(xp.isnan(bad), xp.int32)))
+    inf = int(xp.sum(xp.astype(xp.isinf(bad), xp.int32)))
+    raise LinalgInputError(
+        f"{function}: {label} is not finite: {nan} NaN and {inf} infinite of {math.prod(bad.shape)} entries"
+    )
+
+
+def _scaled_by_power_of_two(A: Array) -> Array:
+    """``A / 2^k`` per matrix, ``2^k <= max|A| < 2^(k+1)`` (``A`` itself where it is zero).
+
+    Exact in binary floating point (barring subnormals), so symmetry and the
+    ratios of eigenvalues are unchanged, and ``||A||_F`` cannot overflow or
+    underflow: the checks of `inverse_sqrt` hold at any scale.
+    """
+    xp = array_namespace(A)
+    amax = xp.max(xp.abs(A), axis=(-2, -1), keepdims=True)
+    return A / 2.0 ** xp.floor(xp.log2(xp.where(amax > 0, amax, xp.ones_like(amax))))
+
+
+def inverse_sqrt_tolerance(A: Array) -> float:
+    """The cut of `inverse_sqrt`'s checks: ``d * eps`` of ``A``'s dtype, relative to ``A``'s size.
+
+    ``A`` is refused when ``||A - A^T||_F / ||A||_F > d eps`` (not symmetric)
+    or ``lambda_min / max|lambda| <= d eps`` (indefinite, or singular to
+    working precision). ``d eps ||A||`` is the backward error of a symmetric
+    eigensolver, the rank tolerance of ``numpy.linalg.matrix_rank`` and the
+    default cut of `polar` ([`default_polar_rtol`][fismo_core.linalg.default_polar_rtol]):
+    an asymmetry or an eigenvalue within it cannot be told from rounding.
+    The computed smallest eigenvalue of a singular matrix is such rounding,
+    of either sign (measured up to ``5 eps lambda_max`` at ``d = 2048``),
+    so every singular matrix is refused; matrices built symmetric in floating
+    point stay far below the symmetry cut (``docs/linalg.md``).
+    """
+    xp = _check_float_matrices(A, "A", square=True)
+    return A.shape[-1] * float(xp.finfo(A.dtype).eps)
+
+
+def _check_symmetric(xp: Any, S: Array, function: str) -> None:
+    """Raise `LinalgInputError` if ``||S - S^T||_F / ||S||_F > inverse_sqrt_tolerance`` for a matrix of ``S``."""
+    norm = xp.linalg.matrix_norm(S)
+    asymmetry = xp.linalg.matrix_norm(S - xp.matrix_transpose(S)) / xp.where(norm > 0, norm, xp.ones_like(norm))
+    tolerance = inverse_sqrt_tolerance(S)
+    failed = asymmetry > tolerance  # an all-zero matrix passes here and is refused as singular
+    if not bool(xp.any(failed)):
+        return
+    label, first = _first_failure(xp, failed, tuple(S.shape[:-2]), "A")
+    value = float(xp.reshape(asymmetry, (-1,))[first])
+    raise LinalgInputError(
+        f"{function}: {label} is not symmetric: ||A - A^T||_F / ||A||_F = {value:.2g} > d eps = {tolerance:.2g} "
+        f"({_dtype_name(S.dtype)})"
+    )
+
+
+def _check_positive_definite(xp: Any, A: Array, w: Array, function: str) -> None:
+    """Raise `LinalgInputError` unless ``lambda_min / max|lambda| > d eps`` for the eigenvalues ``w`` ``(..., d)`` of ``A``."""
+    tolerance = inverse_sqrt_tolerance(A)
+    largest = xp.max(xp.abs(w), axis=-1)
+    ratio = w[..., 0] / xp.where(largest > 0, largest, xp.ones_like(largest))  # w ascending; 0 for A = 0
+    failed = ~(ratio > tolerance)  # NaN eigenvalues fail too
+    if not bool(xp.any(failed)):
+        return
+    label, first = _first_failure(xp, failed, tuple(w.shape[:-1]), "A")
+    value = float(xp.reshape(ratio, (-1,))[first])
+    dtype = _dtype_name(A.dtype)
+    if float(xp.reshape(largest, (-1,))[first]) == 0:
+        problem = "is zero (singular)"
+    elif value < -tolerance:  # beyond rounding: a negative eigenvalue
+        problem = f"is not positive definite: lambda_min / max|lambda| = {value:.2g} (a negative eigenvalue, {dtype})"
+    else:
+        problem = (
+            f"is singular to working precision: |lambda_min| / max|lambda| = {abs(value):.2g} <= d eps = "
+            f"{tolerance:.2g} ({dtype})"
+        )
+    raise LinalgInputError(f"{function}: {label} {problem}")
+
+
 #: The iteration dtypes ``polar(..., dtype=...)`` accepts by name, resolved in the input's namespace.
 POLAR_DTYPE_NAMES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float64")
 
@@ -202,6 +347,23 @@ def default_polar_rtol(X: Array) -> float:
     xp = _check_float_matrices(X, "X")
     m, n = X.shape[-2], X.shape[-1]
     return max(m, n) * float(xp.finfo(X.dtype).eps)
+
+
+def _check_integer(name: str, value: Any, *, minimum: int = 1, none_means: Optional[str] = None) -> Optional[int]:
+    """``value`` as an ``int``; a ``ValueError`` naming ``name`` unless it is an integer ``>= minimum``.
+
+    The one check of every count and size in the package (Newton–Schulz
+    ``steps``, ``InverseRootConfig.every`` and ``max_failures``,
+    ``block_size``). ``bool`` is not an integer here, nor is ``2.0``.
+    ``none_means`` (what ``None`` stands for) also accepts ``None``.
+    """
+    if value is None and none_means is not None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        allowed = kind if none_means is None else f"None ({none_means}) or {kind}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return int(value)
 
 
 def _check_rtol(rtol: Any) -> Optional[float]:
@@ -249,6 +411,7 @@ def polar(
     eps: float = 1e-7,
     rtol: Optional[float] = None,
     dtype: Any = None,
+    check: bool = True,
 ) -> Array:
     """Polar factor ``Polar(X) = U_r V_r^T`` of ``X = U S V^T``, batched.
 
@@ -306,6 +469,17 @@ def polar(
         is how ``torch.optim.Muon`` runs its iteration. With ``"svd"`` a
         ``dtype`` other than ``None`` is a ``ValueError``: the exact path is
         the reference and computes in ``X``'s dtype.
+    check:
+        ``True`` (default): raise [`LinalgInputError`][fismo_core.linalg.LinalgInputError]
+        if a matrix of ``X`` has a NaN or an infinity, naming its batch index
+        and the count of each (one host read; the library's own ``svd``
+        would raise its own ``LinAlgError`` or return NaN). Rank-deficient
+        ``X`` is not refused: ``"svd"`` returns the canonical ``U_r V_r^T``,
+        and Newton–Schulz, an odd polynomial, keeps zero singular values at
+        rounding level within its schedule (``docs/linalg.md``). Under
+        ``jax.jit`` the check is left out (nothing can be read while
+        tracing). ``False``: no check and no host read, for sync-free GPU
+        pipelines and ``torch.compile(fullgraph=True)``.
 
     Accuracy
     --------
@@ -329,15 +503,49 @@ def polar(
 
     Singular values below ``1e-3 ||X||_F`` come out smaller; ``"svd"`` is exact
     to rounding.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from fismo_core.linalg import polar
+    >>> X = xp.asarray([[3.0, 0.0], [4.0, 5.0]])
+    >>> O = polar(X, method="svd")  # U V^T, as scipy.linalg.polar(X)[0]
+    >>> bool(xp.all(xp.abs(O @ O.T - xp.eye(2)) < 1e-12))
+    True
+
+    Here ``X = O H`` with ``O = [[2, -1], [1, 2]] / sqrt(5)`` and
+    ``H = [[2, 1], [1, 2]] * sqrt(5)`` symmetric positive definite:
+
+    >>> O_exact = xp.asarray([[2.0, -1.0], [1.0, 2.0]]) / 5**0.5
+    >>> bool(xp.all(xp.abs(O - O_exact) < 1e-12))
+    True
+
+    The default is Muon's five Newton–Schulz steps: singular values in the
+    band ``[0.470, 1.203]``, not exactly 1.
+
+    >>> s = xp.linalg.svdvals(polar(X))
+    >>> bool(xp.all((s > 0.47) & (s < 1.203))), bool(xp.all(xp.abs(s - 1) < 1e-3))
+    (True, False)
+
+    A batch is one call; a NaN is refused, naming the matrix:
+
+    >>> batch = xp.stack([X, xp.asarray([[1.0, float("nan")], [0.0, 1.0]])])
+    >>> polar(batch, method="svd")
+    Traceback (most recent call last):
+    ...
+    fismo_core.linalg.LinalgInputError: polar: X[1] (1 of 2 matrices of the batch fail) is not finite: 1 NaN and 0 infinite of 4 entries
     """
     xp = _check_float_matrices(X, "X")
     rtol = _check_rtol(rtol)
+    checked = _check_flag(check)
     if method == "svd":
         if dtype is not None:
             raise ValueError(
                 f"dtype={dtype!r} is the Newton–Schulz iteration dtype; method='svd' is exact and computes in "
                 "X's dtype: pass dtype=None"
             )
+        if checked:
+            _checks_can_run(xp, X, "X", "polar")
         U, S, Vh = xp.linalg.svd(X, full_matrices=False)
         if S.shape[-1] == 0:  # m or n is 0: nothing to cut
             return U @ Vh
@@ -348,6 +556,8 @@ def polar(
         raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")
     schedule, safety = newton_schulz_schedule(coefficients, steps)
     compute_dtype = X.dtype if dtype is None else _resolve_dtype(xp, dtype)
+    if checked:
+        _checks_can_run(xp, X, "X", "polar")
     transposed = X.shape[-2] > X.shape[-1]
     Y = xp.matrix_transpose(X) if transposed else X
     # ||Y||_F is taken of Y / s, s a power of two (_pow2_scale): the sum of squares cannot
@@ -374,6 +584,7 @@ def inverse_sqrt(
     method: Literal["eigh", "newton_schulz"] = "eigh",
     steps: Optional[int] = None,
     coefficients: Coefficients = "polar_express",
+    check: bool = True,
 ) -> Array:
     """Inverse principal square root ``A^{-1/2}`` of symmetric positive definite ``A``.
 
@@ -407,6 +618,19 @@ def inverse_sqrt(
         ``T = (3 I - Z Y) / 2`` at every step. Or an explicit sequence of
         ``(a, b, c)`` triples (the last repeats). ``"muon"`` is refused: it
         does not converge, and an inverse square root has to.
+    check:
+        ``True`` (default): raise [`LinalgInputError`][fismo_core.linalg.LinalgInputError],
+        naming the batch index of the first failing matrix and the measure,
+        where the result would be wrong: a NaN or an infinity; ``A`` not
+        symmetric, ``||A - A^T||_F / ||A||_F > d eps``; ``A`` not positive
+        definite to working precision, ``lambda_min / max|lambda| <= d eps``
+        ([`inverse_sqrt_tolerance`][fismo_core.linalg.inverse_sqrt_tolerance];
+        the eigenvalues are ``"eigh"``'s own, and cost ``"newton_schulz"`` one
+        ``eigvalsh``). A few host reads; under ``jax.jit`` the checks are
+        left out (nothing can be read while tracing). ``False``: no check
+        and no host read, for sync-free GPU pipelines and
+        ``torch.compile(fullgraph=True)``; the result on bad input is then
+        whatever the method computes (NaN, or a wrong finite matrix).
 
     Accuracy of ``"newton_schulz"``
     -------------------------------
@@ -430,14 +654,49 @@ def inverse_sqrt(
     so pass ``steps`` from the table for such matrices. Surplus steps cost
     time, not accuracy. Errors against ``"eigh"`` measured in floating point are in
     ``docs/linalg.md`` and tested in ``tests/test_linalg.py``.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from fismo_core.linalg import inverse_sqrt
+    >>> A = xp.asarray([[2.0, 1.0], [1.0, 2.0]])  # eigenvalues 1 and 3
+    >>> Z = inverse_sqrt(A)  # as scipy.linalg.fractional_matrix_power(A, -0.5)
+    >>> bool(xp.all(xp.abs(Z @ A @ Z - xp.eye(2)) < 1e-12))
+    True
+    >>> Z_ns = inverse_sqrt(A, method="newton_schulz")  # matmul-only: Polar Express, 9 steps
+    >>> bool(xp.all(xp.abs(Z_ns - Z) < 1e-12))
+    True
+
+    Input on which the result would be wrong is refused, with the measure:
+
+    >>> inverse_sqrt(xp.asarray([[2.0, 1.0], [0.0, 2.0]]))
+    Traceback (most recent call last):
+    ...
+    fismo_core.linalg.LinalgInputError: inverse_sqrt: A is not symmetric: ||A - A^T||_F / ||A||_F = 0.47 > d eps = 4.4e-16 (float64)
+    >>> inverse_sqrt(xp.stack([A, xp.asarray([[1.0, 2.0], [2.0, 1.0]])]))
+    Traceback (most recent call last):
+    ...
+    fismo_core.linalg.LinalgInputError: inverse_sqrt: A[1] (1 of 2 matrices of the batch fail) is not positive definite: lambda_min / max|lambda| = -0.33 (a negative eigenvalue, float64)
     """
     xp = _check_float_matrices(A, "A", square=True)
+    if method not in ("eigh", "newton_schulz"):
+        raise ValueError(f"unknown inverse_sqrt method {method!r}: use 'eigh' or 'newton_schulz'")
+    if method == "newton_schulz":
+        schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
+    # The arguments are valid; now the values. A 0 x 0 matrix has nothing to check.
+    checked = _check_flag(check) and A.shape[-1] > 0 and _checks_can_run(xp, A, "A", "inverse_sqrt")
+    if checked:
+        scaled = _scaled_by_power_of_two(A)
+        _check_symmetric(xp, scaled, "inverse_sqrt")
     if method == "eigh":
         w, V = xp.linalg.eigh(A)
+        if checked:
+            _check_positive_definite(xp, A, w, "inverse_sqrt")
         return (V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V)
-    if method != "newton_schulz":
-        raise ValueError(f"unknown inverse_sqrt method {method!r}: use 'eigh' or 'newton_schulz'")
-    schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
+    if checked:  # one eigvalsh, the cost of the check on the matmul-only path
+        if xp.finfo(A.dtype).bits < 32:  # no half-precision eigensolvers (LAPACK, cuSOLVER): float32
+            scaled = xp.astype(scaled, xp.float32)
+        _check_positive_definite(xp, A, xp.linalg.eigvalsh(scaled), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
     scale = safety**2 * xp.linalg.matrix_norm(A, keepdims=True)
     Y = A / scale

@@ -273,12 +273,17 @@ def test_no_host_sync_on_torch_meta_device(name: str) -> None:
 def test_no_host_sync_on_torch_meta_device_for_linalg() -> None:
     torch = pytest.importorskip("torch")
     X, A = torch.empty(2, 7, 5, device="meta"), torch.empty(2, 5, 5, device="meta")
+    # check=False is the documented switch for sync-free pipelines (docs/linalg.md, "Input checks")
     for out in (
-        linalg.polar(X), linalg.polar(X, method="svd"),
-        linalg.inverse_sqrt(A), linalg.inverse_sqrt(A, method="newton_schulz"),
+        linalg.polar(X, check=False), linalg.polar(X, method="svd", check=False),
+        linalg.inverse_sqrt(A, check=False), linalg.inverse_sqrt(A, method="newton_schulz", check=False),
         linalg.whiten(X, torch.empty(2, 7, 7, device="meta"), A),
     ):
         assert out.device.type == "meta"
+    # and it is needed: by default the input checks read the values on the host
+    for checked in (lambda: linalg.polar(X), lambda: linalg.inverse_sqrt(A)):
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            checked()
 
 
 def test_meta_device_detects_host_reads() -> None:
@@ -367,8 +372,11 @@ def test_no_host_sync_on_array_api_strict(name: str) -> None:
             W, state = opt.step(W, G, state)
         direction, _ = opt.direction(G, state)
         A = to_dense(state.P)
-        outs = [linalg.polar(G), linalg.polar(G, method="svd"), linalg.inverse_sqrt(A),
-                linalg.inverse_sqrt(A, method="newton_schulz"), linalg.whiten(G, A, to_dense(state.Q))]
+        outs = [linalg.polar(G, check=False), linalg.polar(G, method="svd", check=False),
+                linalg.inverse_sqrt(A, check=False), linalg.inverse_sqrt(A, method="newton_schulz", check=False),
+                linalg.whiten(G, A, to_dense(state.Q))]
+        with pytest.raises(AssertionError, match="__bool__"):  # the default input check reads the values
+            linalg.inverse_sqrt(A)
         # The check can fail: each kind of host read is refused.
         with pytest.raises(AssertionError, match="__float__"):
             float(xs.linalg.matrix_norm(G[0, ...]))
@@ -449,8 +457,9 @@ def test_core_calls_only_namespace_functions_that_are_sync_free_on_cupy(monkeypa
         for _ in range(2):
             W_new, state = opt.step(W, W, state)
     A = to_dense(state.P)
-    linalg.polar(W), linalg.polar(W, method="svd"), linalg.inverse_sqrt(A)
-    linalg.inverse_sqrt(A, method="newton_schulz"), linalg.whiten(W, A, to_dense(state.Q))
+    # check=False: the sync-free path (the input checks read values on the host by design)
+    linalg.polar(W, check=False), linalg.polar(W, method="svd", check=False), linalg.inverse_sqrt(A, check=False)
+    linalg.inverse_sqrt(A, method="newton_schulz", check=False), linalg.whiten(W, A, to_dense(state.Q))
     monkeypatch.undo()
     used.discard("linalg")
     assert {"linalg.eigh", "linalg.svd", "eye"} <= used  # the recorder saw the calls

@@ -42,8 +42,10 @@ OPTIMIZERS = {
 }
 
 
-def _everything(opt: FISMO, W: Any, grads: list) -> dict[str, Any]:
-    """Every array the public API returns for W and a few gradients, by name."""
+def _everything(opt: FISMO, W: Any, grads: list, *, check: bool = True) -> dict[str, Any]:
+    """Every array the public API returns for W and a few gradients, by name.
+
+    ``check`` is the matrix functions' input check (a host read of the input's values)."""
     out = {}
     state = opt.init(W)
     out.update({f"init.{f}": getattr(state, f) for f in STATE_FIELDS})
@@ -54,10 +56,10 @@ def _everything(opt: FISMO, W: Any, grads: list) -> dict[str, Any]:
         out.update({f"state{t}.{f}": getattr(state, f) for f in STATE_FIELDS})
     P, Q = state.P, state.Q
     G = array_namespace(P).astype(grads[-1], P.dtype)  # the matrix functions take one dtype
-    out["polar.newton_schulz"] = linalg.polar(G)
-    out["polar.svd"] = linalg.polar(G, method="svd")
-    out["inverse_sqrt.eigh"] = linalg.inverse_sqrt(P)
-    out["inverse_sqrt.newton_schulz"] = linalg.inverse_sqrt(Q, method="newton_schulz")
+    out["polar.newton_schulz"] = linalg.polar(G, check=check)
+    out["polar.svd"] = linalg.polar(G, method="svd", check=check)
+    out["inverse_sqrt.eigh"] = linalg.inverse_sqrt(P, check=check)
+    out["inverse_sqrt.newton_schulz"] = linalg.inverse_sqrt(Q, method="newton_schulz", check=check)
     out["whiten"] = linalg.whiten(G, state.P_inv_sqrt, state.Q_inv_sqrt)
     out["sym"] = linalg.sym(P)
     out["trace_normalize"] = linalg.trace_normalize(P)
@@ -89,10 +91,11 @@ def test_results_stay_on_torch_meta_device_with_low_precision(monkeypatch: pytes
     """PyTorch's meta device (shapes, no data): a bf16 W stays bf16 on meta, its state is float32 on meta."""
     torch = pytest.importorskip("torch")
     # Meta tensors have no values, so the non-finite-gradient check (the
-    # step's one host read, see tests/test_cupy.py) cannot run: switch it off.
+    # step's one host read, see tests/test_cupy.py) and the matrix functions'
+    # input checks cannot run: switch them off.
     W = torch.empty(SHAPE, device="meta", dtype=torch.bfloat16)
     opt = FISMO(nonfinite="propagate")
-    out = _everything(opt, W, [torch.empty(SHAPE, device="meta", dtype=torch.bfloat16)] * 2)
+    out = _everything(opt, W, [torch.empty(SHAPE, device="meta", dtype=torch.bfloat16)] * 2, check=False)
     for key, x in out.items():
         assert x.device.type == "meta", key
     assert out["W1"].dtype == torch.bfloat16

@@ -613,8 +613,10 @@ def test_inverse_sqrt_newton_schulz_matches_eigh(target: Target, kappa: float, c
     kf = float(np.max(kappa_frobenius(A_r)))
     A = target.asarray(A64)
     steps = None if kf <= 1e6 else scalar_inverse_sqrt_steps(kf, coefficients)
-    ns = to_numpy(inverse_sqrt(A, method="newton_schulz", coefficients=coefficients, steps=steps))
-    eig = to_numpy(inverse_sqrt(A, method="eigh"))
+    # check=False: float32 at kappa = 1e6 is below the input checks' cut d eps (docs/linalg.md,
+    # "Input checks"); this test measures what both methods return there.
+    ns = to_numpy(inverse_sqrt(A, method="newton_schulz", coefficients=coefficients, steps=steps, check=False))
+    eig = to_numpy(inverse_sqrt(A, method="eigh", check=False))
     tol = inv_sqrt_tolerance(target.dtype, kf)
     assert np.max(rel_err(ns, eig)) <= tol, f"NS vs eigh {np.max(rel_err(ns, eig)):.2e} > {tol:.1e} (kappa' {kf:.1e})"
     assert np.max(rel_err(ns, reference)) <= tol

@@ -94,7 +94,11 @@ def steps_used(name: str, kappa: float) -> int:
 
 
 def measure_inverse_sqrt(target) -> dict:
-    """``{kappa: {"kappa_F": ..., method: {"vs_eigh", "vs_ref", "xax", "steps"}}}``."""
+    """``{kappa: {"kappa_F": ..., method: {"vs_eigh", "vs_ref", "xax", "steps"}}}``.
+
+    ``check=False`` throughout: float32 at kappa = 1e6 and 1e8 is below the input checks' cut
+    (docs/linalg.md, "Input checks"), and this script measures what the methods return there.
+    """
     out = {}
     identity = np.eye(D)
     for kappa in INV_SQRT_KAPPAS:
@@ -104,17 +108,17 @@ def measure_inverse_sqrt(target) -> dict:
         A_rounded = A64.astype(target.dtype).astype(np.float64)
         ref = inverse_sqrt_reference(A_rounded)
         A = target.asarray(A64)
-        eig = to_numpy(linalg.inverse_sqrt(A, method="eigh"))
+        eig = to_numpy(linalg.inverse_sqrt(A, method="eigh", check=False))
         row = {
             "kappa_F": float(np.max(np.linalg.norm(A_rounded, axis=(-2, -1)) / np.linalg.eigvalsh(A_rounded)[..., 0])),
         }
         results = {"eigh": (eig, None)}
         for name in SCHEDULES:
             errs = [
-                rel(to_numpy(linalg.inverse_sqrt(A, method="newton_schulz", coefficients=name, steps=k)), ref)
+                rel(to_numpy(linalg.inverse_sqrt(A, method="newton_schulz", coefficients=name, steps=k, check=False)), ref)
                 for k in range(1, CONVERGED_STEPS[name] + 1)
             ]
-            X = to_numpy(linalg.inverse_sqrt(A, method="newton_schulz", coefficients=name, steps=steps_used(name, kappa)))
+            X = to_numpy(linalg.inverse_sqrt(A, method="newton_schulz", coefficients=name, steps=steps_used(name, kappa), check=False))
             results[name] = (X, next(k for k, e in enumerate(errs, 1) if e <= 2 * errs[-1]))
         for method, (X, needed) in results.items():
             row[method] = {
@@ -132,9 +136,9 @@ def measure_unrepresentable(target) -> dict:
     A64 = spd_batch(INV_SQRT_KAPPAS[-1])
     ref = inverse_sqrt_reference(A64)
     A = target.asarray(A64)
-    out = {"eigh": rel(to_numpy(linalg.inverse_sqrt(A, method="eigh")), ref)}
+    out = {"eigh": rel(to_numpy(linalg.inverse_sqrt(A, method="eigh", check=False)), ref)}
     for name in SCHEDULES:
-        X = linalg.inverse_sqrt(A, method="newton_schulz", coefficients=name, steps=STEPS_AT_1E8[name])
+        X = linalg.inverse_sqrt(A, method="newton_schulz", coefficients=name, steps=STEPS_AT_1E8[name], check=False)
         out[name] = rel(to_numpy(X), ref)
     return out
 
