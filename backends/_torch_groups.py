@@ -24,6 +24,8 @@ from typing import Any, Optional, Union
 import torch
 from torch.optim.adamw import adamw as _adamw
 
+from fismo_core.guards import MUON_KEYWORDS, MUON_POLAR_KEYWORDS, foreign_keyword_error
+from fismo_core import guards as _guards  # the rules every adapter shares, looked up at each call
 from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import InverseRootConfig, PolarConfig
 
@@ -46,18 +48,11 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "maximize": False,
     "foreach": None,
 }
-FISMO_ONLY_KEYS = (
-    "beta", "gamma", "mu", "polar", "inv_root", "nesterov", "adjust_lr_fn", "statistics", "nonfinite", "block_size"
-)
+FISMO_ONLY_KEYS = ("beta", "gamma", "mu", "polar", "inv_root", "nesterov", "adjust_lr_fn", "statistics", "block_size")
 ADAMW_ONLY_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach")
 
 
 # ---------------------------------------------------------------- small helpers
-def matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """A weight of shape ``(out, *rest)`` is optimised as the matrix ``(out, prod(rest))``."""
-    return int(shape[0]), int(math.prod(shape[1:]))
-
-
 def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], m: int, n: int) -> float:
     """``torch.optim.Muon``'s shape-dependent learning rate, on the (flattened) matrix shape ``(m, n)``."""
     if adjust_lr_fn is None:
@@ -102,8 +97,8 @@ def core_key(group: dict) -> tuple:
         tuple(sorted(group["inv_root"].items())),
         group["nesterov"],
         group.get("statistics", CORE_DEFAULTS.statistics),  # absent from checkpoints saved before it existed
-        group.get("nonfinite", "raise"),  # likewise
-        group.get("block_size"),  # likewise (None: full factors)
+        group.get("nonfinite", CORE_DEFAULTS.nonfinite),  # likewise
+        group.get("block_size", CORE_DEFAULTS.block_size),  # likewise (None: full factors)
     )
 
 
@@ -118,13 +113,12 @@ def make_core(key: tuple) -> _CoreFISMO:
     Non-finite gradients are handled by the adapter before the core is
     called (so that errors name the parameter), so the core runs with
     ``nonfinite="propagate"``; its inverse-root checks follow the group's
-    ``nonfinite`` policy, as they would in the core, unless ``inv_root``
-    sets ``fallback``.
+    ``nonfinite`` policy by the core's rule (`fismo_core.guards.checks_roots`),
+    unless ``inv_root`` sets ``fallback``.
     """
     beta, gamma, mu, polar, inv_root, nesterov, statistics, nonfinite, block_size = key
-    inv_root = dict(inv_root)
-    if inv_root.get("fallback") is None:
-        inv_root["fallback"] = nonfinite != "propagate"
+    inv_root = InverseRootConfig(**dict(inv_root))
+    inv_root = dataclasses.replace(inv_root, fallback=_guards.checks_roots(inv_root, nonfinite))
     return _CoreFISMO(
         beta=beta,
         gamma=gamma,
@@ -163,8 +157,8 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
             weight_decay=hp["weight_decay"],
             nesterov=hp["nesterov"],
             statistics=hp.get("statistics", CORE_DEFAULTS.statistics),
-            nonfinite=hp.get("nonfinite", "raise"),
-            block_size=hp.get("block_size"),
+            nonfinite=hp.get("nonfinite", CORE_DEFAULTS.nonfinite),
+            block_size=hp.get("block_size", CORE_DEFAULTS.block_size),
         )
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from exc
@@ -187,6 +181,7 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
         raise ValueError(f"{where}: AdamW betas must be two numbers in [0, 1), got {betas!r}")
     if not 0.0 <= group["weight_decay"]:
         raise ValueError(f"{where}: invalid AdamW weight_decay {group['weight_decay']!r}")
+    _guards.check_nonfinite_policy(group["nonfinite"], where)
 
 
 def validate_matrix_param(p: Any, name: str) -> None:
@@ -199,7 +194,9 @@ def validate_matrix_param(p: Any, name: str) -> None:
             "flattened to (out, in*kh*kw)). Put 1-D tensors (biases, norm scales) in an AdamW group: "
             "{'params': [...], 'algorithm': 'adamw'}; for a whole model, the helper "
             "fismo_core.backends.torch.param_groups does the split: FISMO(param_groups(model), lr=0.02) "
-            "(matrices on FISMO; biases, norms, embeddings and the output head on AdamW)"
+            "(matrices on FISMO; biases, norms, embeddings and the output head on AdamW). With a Hugging Face "
+            "Trainer, pass the optimizer built so: Trainer(..., optimizers=(FISMO(param_groups(model)), scheduler)), "
+            "not optimizer_cls_and_kwargs (its groups split by weight decay only)"
         )
     if torch.is_complex(p):
         raise TypeError(f"{name} is complex ({p.dtype}); FISMO supports real matrices only (AdamW groups take complex)")
@@ -237,6 +234,7 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
             )
         for key, value in ADAMW_DEFAULTS.items():
             group.setdefault(key, value)
+        group.setdefault("nonfinite", defaults["nonfinite"])  # the optimizer's policy covers AdamW groups too
         validate_adamw_hparams(group, where)
     else:
         wrong = [k for k in ADAMW_ONLY_KEYS if k in group]
@@ -245,6 +243,9 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
                 f"{where} is a FISMO group but sets AdamW's {wrong}; "
                 "mark the group with \"algorithm\": \"adamw\" if it is meant for AdamW"
             )
+        foreign = {k: group[k] for k in (*MUON_POLAR_KEYWORDS, *MUON_KEYWORDS) if k in group and k not in defaults}
+        if foreign:  # a group key FISMO would otherwise keep and ignore
+            raise ValueError(str(foreign_keyword_error(f"{where} sets keys", foreign)))
         merged = {**defaults, **{k: v for k, v in group.items() if k in defaults}}
         validate_fismo_hparams(merged, where)
         for key in ("polar", "inv_root", "block_size"):
@@ -265,15 +266,16 @@ def drop_fismo_keys(group: dict) -> None:
 
 
 # ---------------------------------------------------------------- the AdamW route
-def adamw_group_step(state: dict, group: dict) -> None:
+def adamw_group_step(state: dict, group: dict, skip: Union[set, frozenset] = frozenset()) -> None:
     """One ``torch.optim.AdamW`` step (``capturable=False``, ``fused=False``) of an ``"adamw"`` group.
 
     ``state`` is the optimizer's per-parameter state; keys and arithmetic are ``torch.optim.AdamW``'s.
+    Parameters whose id is in ``skip`` (``nonfinite="skip"``) do not step: parameter and state unchanged.
     """
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
     has_complex = False
     for p in group["params"]:
-        if p.grad is None:
+        if p.grad is None or id(p) in skip:
             continue
         has_complex |= torch.is_complex(p)
         s = state[p]

@@ -3,10 +3,12 @@
 Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]. This module holds
 
 - the layout of a FISMO parameter's state in ``optimizer.state[p]``
-  (`STATE_KEYS`, `COUNTER_KEYS`, `state_layout`, `init_matrix_state`) and
+  (`STATE_KEYS`, `COUNTER_KEYS`, `init_matrix_state`; the keys and shapes are the
+  core's, `fismo_core.optimizer.state_layout`) and
   its stacking into one batched core state per bucket (`pack`, `unpack`),
 - the checkpoint checks and the precision-preserving restore of
-  ``load_state_dict`` (`check_saved_state`, `restore_saved_state`),
+  ``load_state_dict`` (`check_saved_state`, which validates through the core's
+  ``FISMOState.from_dict``, and `restore_saved_state`),
 - the gradient checks of a step (`check_grads`: layout, dtype, shape, and
   NaN/infinity under the groups' ``nonfinite`` policy).
 
@@ -19,13 +21,13 @@ from typing import Any, Optional
 
 import torch
 
-from fismo_core.kronecker import factor_structure
+from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
 from ._torch_distributed import is_dtensor, local_device
-from ._torch_groups import matrix_shape, param_name
+from ._torch_groups import CORE_DEFAULTS, param_name
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
 #: blocks (``block_size``) keeps its full blocks ``(k, B, B)`` under these names and its
@@ -41,36 +43,14 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return _core_state_dtype(torch, dtype)
 
 
-def _part_keys(name: str, parts: int) -> tuple[str, ...]:
-    return (name,) if parts == 1 else (name, f"{name}_rest")
-
-
-def state_layout(m: int, n: int, block_size: Optional[int]) -> dict[str, tuple[int, ...]]:
-    """Every floating tensor of the state of an ``m x n`` matrix, by key, with its shape.
-
-    Full factors: ``P``, ``P_inv_sqrt`` ``(m, m)``, ``Q``, ``Q_inv_sqrt``
-    ``(n, n)``, ``M`` ``(m, n)``. A side split into blocks keeps ``(k, B, B)``
-    under its names and, when ``B`` does not divide it, ``(r, r)`` under
-    ``"<name>_rest"``.
-    """
-    structures = (factor_structure(m, block_size), factor_structure(n, block_size))
-    layout: dict[str, tuple[int, ...]] = {}
-    for name in STATE_KEYS:
-        if name == "M":
-            layout["M"] = (m, n)
-            continue
-        shapes = structures[_SIDE[name]].part_shapes()
-        layout.update(zip(_part_keys(name, len(shapes)), (tuple(shape) for shape in shapes)))
-    return layout
-
-
-def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype) -> dict:
+def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype, name: str = "W") -> dict:
     """Fill an empty ``state`` from ``core.init`` for a matrix of ``G``'s shape and parameter dtype ``dtype``.
 
-    Also adds the counters to a state from before they existed. Returns ``state``.
+    Also adds the counters to a state from before they existed. Returns ``state``. ``name`` names the
+    parameter in the core's warning about factors far larger than the matrix (given once, at creation).
     """
     if not state:
-        init = core.init(torch.empty(G.shape, dtype=dtype, device=G.device))
+        init = core.init(torch.empty(G.shape, dtype=dtype, device=G.device), name=name)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         left, right = core.structures(*G.shape[-2:])
         # The core returns the roots as arrays of their own, so in-place updates never alias P.
@@ -80,7 +60,7 @@ def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: tor
                 state["M"] = value
                 continue
             parts = (left, right)[_SIDE[name]].parts(value)
-            for key, part in zip(_part_keys(name, len(parts)), parts):
+            for key, part in zip(_fismo.factor_keys(name, len(parts)), parts):
                 state[key] = part
     for key in COUNTER_KEYS:  # also for states from before the counters existed
         if key not in state:
@@ -102,7 +82,7 @@ def pack(core: _CoreFISMO, states: list[dict], m: int, n: int) -> FISMOState:
             fields["M"] = stack("M")
             continue
         structure = structures[_SIDE[name]]
-        keys = _part_keys(name, len(structure.part_shapes()))
+        keys = _fismo.factor_keys(name, len(structure.part_shapes()))
         fields[name] = structure.from_parts(tuple(stack(key) for key in keys))
     return FISMOState(**fields, step=0, **{k: stack(k) for k in COUNTER_KEYS})
 
@@ -119,7 +99,7 @@ def unpack(core: _CoreFISMO, states: list[dict], stacked: FISMOState, new: FISMO
         if name in _SIDE:
             structure = structures[_SIDE[name]]
             new_parts, old_parts = structure.parts(new_value), structure.parts(old_value)
-            keys = _part_keys(name, len(new_parts))
+            keys = _fismo.factor_keys(name, len(new_parts))
         else:
             new_parts, old_parts, keys = (new_value,), (old_value,), (name,)
         for key, new_part, old_part in zip(keys, new_parts, old_parts):
@@ -131,7 +111,15 @@ def unpack(core: _CoreFISMO, states: list[dict], stacked: FISMOState, new: FISMO
 
 # ---------------------------------------------------------------- checkpoints
 def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list) -> None:
-    """`load_state_dict`'s checks of the FISMO states against the parameters, before anything changes."""
+    """`load_state_dict`'s checks of the FISMO states against the parameters, before anything changes.
+
+    The groups' algorithms and ``block_size`` are compared here. Each
+    parameter's state is then validated by the core's
+    [`FISMOState.from_dict`][fismo_core.FISMOState.from_dict] (keys, shapes,
+    dtypes, counters, step), so a fault raises the core's error with the
+    core's message, prefixed with the parameter's name. Floating tensors are
+    first converted to the state dtype, as ``load_state_dict`` converts them.
+    """
     if len(saved_groups) != len(param_groups) or any(
         len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, param_groups)
     ):
@@ -155,39 +143,29 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
             saved = saved_state.get(index)
             if not saved:
                 continue
-            name = param_name(group, i, gi)
-            m, n = matrix_shape(p.shape)
-            expected = state_layout(m, n, block_size)
-            missing = [key for key in ("step", *expected) if key not in saved]
-            if missing:
-                raise KeyError(
-                    f"the checkpoint's state for {name} lacks {missing} (it has {sorted(saved)}): "
-                    "not a FISMO state, or saved for another parameter order or block_size"
-                )
-            extra = [key for key in saved if key.endswith("_rest") and key not in expected]
-            if extra:
-                raise ValueError(
-                    f"the checkpoint's state for {name} has remainder blocks {extra}, which a {m}x{n} matrix "
-                    f"with block_size={block_size!r} does not have (saved with another block_size?)"
-                )
-            for key, shape in expected.items():
-                value = saved[key]
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(
-                        f"{name} has shape {tuple(p.shape)} (optimised as the matrix {m}x{n}"
-                        f"{f' with block_size={block_size}' if block_size is not None else ''}), so its state "
-                        f"{key!r} must have shape {shape}; the checkpoint has {got} (was it saved for another "
-                        "model, or with the parameters in another order?)"
-                    )
-                if not value.is_floating_point():
-                    raise TypeError(f"the checkpoint's state {key!r} of {name} has dtype {value.dtype}, not a float")
-            for key in COUNTER_KEYS:
-                value = saved.get(key)
-                if value is not None and (
-                    not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_floating_point()
-                ):
-                    raise ValueError(f"the checkpoint's counter {key!r} of {name} must be one integer, got {value!r}")
+            _check_through_core(saved, p, block_size, param_name(group, i, gi))
+
+
+def _check_through_core(saved: dict, p: torch.Tensor, block_size: Optional[int], name: str) -> None:
+    """One parameter's saved state, validated by ``FISMOState.from_dict`` as the core would; its error names ``p``."""
+    m, n = _fismo.matrix_shape(p.shape)
+    dtype = state_dtype(p.dtype)
+    floating = _fismo.state_layout(m, n, block_size)
+    # The per-parameter state is to_dict's layout without the block size, which the group records.
+    d = {key: (value.to(dtype) if key in floating and isinstance(value, torch.Tensor) and value.is_floating_point()
+               else value) for key, value in saved.items()}
+    if _fismo.state_block_size(m, n, block_size):  # 0 (no side split) is also what a missing key means
+        d["block_size"] = _fismo.state_block_size(m, n, block_size)
+    M = saved.get("M")
+    like = torch.empty((m, n), dtype=p.dtype, device=M.device if isinstance(M, torch.Tensor) else "cpu")
+    try:
+        FISMOState.from_dict(d, like, block_size=block_size)
+    except (KeyError, ValueError, TypeError) as exc:
+        blocks = f" with block_size={block_size}" if block_size is not None else ""
+        message = exc.args[0] if exc.args else str(exc)
+        raise type(exc)(
+            f"the checkpoint's state for {name}, optimised as the {m}x{n} matrix{blocks}: {message}"
+        ) from exc
 
 
 def restore_saved_state(state: dict, param_groups: list, saved_state: dict, saved_groups: list) -> None:
@@ -212,12 +190,13 @@ def restore_saved_state(state: dict, param_groups: list, saved_state: dict, save
             device = local_device(p)
             # Copies (copy=True): FISMO updates its state in place, so a state_dict taken from
             # another live optimizer must not share tensors with it.
-            for key in state_layout(*matrix_shape(p.shape), group.get("block_size")):
+            # as_tensor: from_dict (check_saved_state) also accepts arrays and Python integers.
+            for key in _fismo.state_layout(*_fismo.matrix_shape(p.shape), group.get("block_size")):
                 if key in saved:
-                    s[key] = saved[key].to(device=device, dtype=dtype, copy=True)
+                    s[key] = torch.as_tensor(saved[key]).to(device=device, dtype=dtype, copy=True)
             for key in COUNTER_KEYS:
                 if key in saved:
-                    s[key] = saved[key].to(device=device, dtype=torch.int32, copy=True)
+                    s[key] = torch.as_tensor(saved[key]).to(device=device, dtype=torch.int32, copy=True)
                 else:
                     s[key] = torch.zeros((), dtype=torch.int32, device=device)
             if isinstance(s.get("step"), torch.Tensor) and s["step"] is saved.get("step"):
@@ -228,7 +207,7 @@ def restore_saved_state(state: dict, param_groups: list, saved_state: dict, save
 def check_grads(param_groups: list) -> set:
     """Every gradient is checked before any parameter or state changes.
 
-    Returns the ids of the FISMO parameters to skip this step (``nonfinite="skip"``).
+    Returns the ids of the parameters (of both algorithms) to skip this step (``nonfinite="skip"``).
     """
     for gi, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
@@ -252,7 +231,7 @@ def check_grads(param_groups: list) -> set:
 
 
 def _check_finite_grads(param_groups: list) -> set:
-    """NaN and infinity in FISMO gradients, per the groups' ``nonfinite`` policy: raise, or the set to skip.
+    """NaN and infinity in the gradients of every group, per its ``nonfinite`` policy: raise, or the set to skip.
 
     One host read per step (the flags of all parameters stacked); a
     sharded (FSDP2) gradient's flag is reduced over its mesh first, so
@@ -260,14 +239,14 @@ def _check_finite_grads(param_groups: list) -> set:
     """
     checks: list[tuple[int, int, Any, torch.Tensor]] = []  # (group index, param index, p, flag)
     for gi, group in enumerate(param_groups):
-        if group["algorithm"] != "fismo" or group.get("nonfinite", "raise") == "propagate":
+        if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "propagate":  # groups of old checkpoints: the default
             continue
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             local = p.grad.to_local() if is_dtensor(p.grad) else p.grad
             finite = torch.isfinite(local).all()
-            if group.get("nonfinite", "raise") == "raise":  # damaged parameters too, in the same host read
+            if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "raise":  # damaged parameters too, same host read
                 finite = finite & torch.isfinite(p.to_local() if is_dtensor(p) else p).all()
             flag = finite.to(torch.int32)
             if is_dtensor(p):
@@ -287,7 +266,7 @@ def _check_finite_grads(param_groups: list) -> set:
         if ok:
             continue
         group = param_groups[gi]
-        if group.get("nonfinite", "raise") == "skip":
+        if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "skip":
             skip.add(id(p))
             continue
         g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
@@ -307,8 +286,8 @@ def _check_finite_grads(param_groups: list) -> set:
         nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
         raise ValueError(
             f"the gradient of {label} contains {nan} NaN and {inf} infinite values (of {g.numel()} entries"
-            f"{' on this rank' if is_dtensor(p) else ''}); FISMO took no step: every parameter, every FISMO "
-            "state (P, Q, M, roots) and every step count is as it was. Check the loss and the gradient "
-            "computation, or pass nonfinite='skip' to skip such parameters"
+            f"{' on this rank' if is_dtensor(p) else ''}); FISMO took no step: every parameter, every state "
+            "(FISMO's P, Q, M, roots; AdamW's moments) and every step count is as it was. Check the loss and the "
+            "gradient computation, or pass nonfinite='skip' to skip such parameters"
         )
     return skip

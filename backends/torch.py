@@ -31,7 +31,9 @@ from typing import Any, Optional, Union
 import torch
 from torch.optim.optimizer import Optimizer
 
+from fismo_core.guards import foreign_keywords
 from fismo_core.optimizer import FISMO as _CoreFISMO
+from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 from fismo_core.kronecker import factor_structure
 from fismo_core.optimizer import InverseRootConfig, InverseRootError, PolarConfig
 
@@ -44,7 +46,6 @@ from ._torch_groups import (
     core_key,
     drop_fismo_keys,
     make_core,
-    matrix_shape,
     param_groups,
     param_name,
     route_group,
@@ -66,8 +67,20 @@ from ._torch_state import (
 __all__ = ["ADAMW_DEFAULTS", "COUNTER_KEYS", "FISMO", "STATE_KEYS", "param_groups"]
 
 _CORE_DEFAULTS = CORE_DEFAULTS
+#: Keywords of torch's other optimizers that belong to the AdamW groups here.
+_ADAMW_KEYWORD = (
+    "a key of the AdamW groups (biases, norms, embeddings, the head): "
+    "param_groups(model, adamw_options={{'{0}': ...}}), or {{'params': [...], 'algorithm': 'adamw', '{0}': ...}}"
+)
 
 
+@foreign_keywords(
+    "fismo_core.backends.torch.FISMO",
+    notes={
+        "eps": ("torch.optim.AdamW", "AdamW's eps is " + _ADAMW_KEYWORD.format("eps")),
+        "betas": ("torch.optim.AdamW", _ADAMW_KEYWORD.format("betas")),
+    },
+)
 class FISMO(Optimizer):
     r"""FISMO (Algorithm 1 of the FISMO paper) for matrix parameters, AdamW for the rest.
 
@@ -100,15 +113,17 @@ class FISMO(Optimizer):
         ``torch.optim.Muon``; ``(m, n)`` is the (flattened) matrix shape.
         Scales the step ``- lr * dW`` only, not the weight decay (as Muon).
     nonfinite:
-        What a NaN or infinity in the gradient of a FISMO parameter does
-        (checked for every FISMO parameter before anything changes; one
-        host read per step). ``"raise"`` (default): a ``ValueError`` naming
-        the parameter; no parameter, state or step count changes.
-        ``"skip"``: that parameter is left alone for this step (parameter,
-        ``P``, ``Q``, ``M``, roots and ``step`` unchanged, no weight decay)
-        and its ``state["skipped"]`` counts up; the others step.
-        ``"propagate"``: no check, as ``torch.optim`` optimizers. AdamW
-        groups are never checked (as ``torch.optim.AdamW``).
+        What a NaN or infinity in a gradient (or a parameter) does, in every
+        group, FISMO's and AdamW's: all are checked before anything changes,
+        in one host read per step. ``"raise"`` (default): a ``ValueError``
+        naming the parameter; no parameter, state or step count changes.
+        ``"skip"``: that parameter is left alone for this step (a FISMO
+        parameter keeps its ``P``, ``Q``, ``M``, roots and ``step``, and its
+        ``state["skipped"]`` counts up; an AdamW parameter keeps
+        ``exp_avg``, ``exp_avg_sq`` and ``step``; no weight decay either); the
+        others step. ``"propagate"``: no check, as ``torch.optim``
+        optimizers. A group may set its own (``"nonfinite"`` in the group
+        dict, AdamW groups included); the others take this one.
     process_group:
         For data parallelism with replicated parameters (DDP): the group
         across which the matrix work is partitioned. Each matrix has one
@@ -133,8 +148,8 @@ class FISMO(Optimizer):
         adjust_lr_fn: Optional[str] = None,
         process_group: Any = None,
         statistics: str = _CORE_DEFAULTS.statistics,
-        nonfinite: str = "raise",
-        block_size: Optional[int] = None,
+        nonfinite: str = _CORE_DEFAULTS.nonfinite,
+        block_size: Optional[int] = _CORE_DEFAULTS.block_size,
     ) -> None:
         if args:
             raise TypeError(
@@ -183,11 +198,13 @@ class FISMO(Optimizer):
         checkpoint predates them).
 
         Before anything is loaded, the state of every FISMO parameter is
-        checked against the parameter: a missing key (``KeyError``), a shape
-        that does not fit the parameter's matrix ``(m, n)`` (``ValueError``)
-        or a non-floating ``P``, ``Q``, ``M`` or root (``TypeError``) raises
-        and leaves the optimizer as it was. (Floating dtypes are converted,
-        as ``torch.optim`` does.) The FISMO state is copied, never shared
+        checked against the parameter by the core's
+        [`FISMOState.from_dict`][fismo_core.FISMOState.from_dict], with its
+        messages: a missing or unknown key (``KeyError``), a shape that does
+        not fit the parameter's matrix ``(m, n)`` or malformed counters
+        (``ValueError``), or a non-floating ``P``, ``Q``, ``M`` or root
+        (``TypeError``) raises and leaves the optimizer as it was. (Floating
+        dtypes are converted, as ``torch.optim`` does.) The FISMO state is copied, never shared
         with ``state_dict``'s tensors.
         """
         saved_state = state_dict["state"]
@@ -216,7 +233,7 @@ class FISMO(Optimizer):
         )
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
-                adamw_group_step(self.state, group)
+                adamw_group_step(self.state, group, skip)
             else:
                 self._fismo_group_step(group, owners, skip)
         return loss
@@ -245,7 +262,7 @@ class FISMO(Optimizer):
             if id(p) in skip:  # nonfinite="skip": p does not step; the rank keeping its state counts it
                 if me == owner:
                     dev = _dist.local_device(p)
-                    self._matrix_state(core, p, torch.empty(matrix_shape(p.shape), device=dev))["skipped"] += 1
+                    self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=dev))["skipped"] += 1
                 continue
             items.append((p, kind, pg, owner, me))
 
@@ -272,7 +289,7 @@ class FISMO(Optimizer):
         # 3. Line 9: W <- (1 - lr * weight_decay) W - lr' * dW, then replicas are synchronised.
         works = []
         for p, kind, pg, owner, me in items:
-            m, n = matrix_shape(p.shape)
+            m, n = _fismo.matrix_shape(p.shape)
             step_lr = adjusted_lr(lr, group["adjust_lr_fn"], m, n)
             if kind == "local":
                 _apply(p, directions[p], lr, step_lr, weight_decay)
@@ -293,12 +310,11 @@ class FISMO(Optimizer):
     def _directions(self, core: _CoreFISMO, mine: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """``dW`` (shape ``(m, n)``, state dtype) of every owned matrix: one core call per bucket."""
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        every = core.inv_root.every
         for p, grad in mine:
-            m, n = matrix_shape(p.shape)
+            m, n = _fismo.matrix_shape(p.shape)
             G = grad.reshape(m, n)
             # InverseRootConfig.every: whether this parameter's roots are due, from its own step count.
-            refresh = every == 1 or int(self.state[p].get("step", 0)) % every == 0
+            refresh = core.inv_root.is_refresh_step(int(self.state[p].get("step", 0)))
             buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
         directions = {}
         results = []
@@ -331,12 +347,14 @@ class FISMO(Optimizer):
         return f"a parameter of shape {tuple(p.shape)}"
 
     def _matrix_state(self, core: _CoreFISMO, p: torch.Tensor, G: torch.Tensor) -> dict:
-        return init_matrix_state(core, self.state[p], G, p.dtype)
+        state = self.state[p]
+        # The label (a scan of the groups) only when the state is created: the core then checks the factor size.
+        return init_matrix_state(core, state, G, p.dtype, name="W" if state else self._label(p))
 
 
 def _direction_cost(p: torch.Tensor, block_size: Optional[int]) -> float:
     """The cost model of owner assignment: ``d^3`` per full side, ``k B^3 + r^3`` per blocked one, plus the polar factor."""
-    m, n = matrix_shape(p.shape)
+    m, n = _fismo.matrix_shape(p.shape)
 
     def side(d: int) -> float:
         return sum(float(math.prod(s[:-2])) * float(s[-1]) ** 3 for s in factor_structure(d, block_size).part_shapes())
@@ -346,13 +364,15 @@ def _direction_cost(p: torch.Tensor, block_size: Optional[int]) -> float:
 
 # ---------------------------------------------------------------- line 9
 def _apply(p: torch.Tensor, direction: torch.Tensor, lr: float, step_lr: float, weight_decay: float) -> None:
-    """``p <- (1 - lr * weight_decay) p - step_lr * dW``, in place, in ``p``'s dtype.
+    """Line 9 in place by the core's rule, `line_9_factors`: ``p <- (1 - decay) p - rate dW``.
 
-    ``dW`` stays in the state's precision until this one rounding to ``p``'s dtype.
+    ``decay = lr * weight_decay`` with the group's unadjusted lr, ``rate = step_lr``. ``dW`` stays in the
+    state's precision until this one rounding to ``p``'s dtype (``add_`` with ``alpha``, as ``torch.optim.Muon``).
     """
-    if weight_decay:
-        p.mul_(1 - lr * weight_decay)
-    p.add_(direction.reshape(p.shape), alpha=-step_lr)
+    decay, rate = _fismo.line_9_factors(lr, weight_decay, step_lr)
+    if decay:
+        p.mul_(1 - decay)
+    p.add_(direction.reshape(p.shape), alpha=-rate)
 
 
 def _apply_shard(local: torch.Tensor, finish: Callable, lr: float, step_lr: float, weight_decay: float) -> None:

@@ -16,6 +16,7 @@ unchanged on NumPy, CuPy, PyTorch, JAX and array-api-strict.
 """
 
 from . import guards, kronecker, linalg
+from .guards import FactorSizeWarning
 from .kronecker import Blocks
 from .optimizer import (
     FISMO,
@@ -34,6 +35,7 @@ __all__ = [
     "FISMO",
     "Blocks",
     "FISMOState",
+    "FactorSizeWarning",
     "InverseRootConfig",
     "InverseRootError",
     "InverseRootWarning",

@@ -10,20 +10,23 @@ See the documentation page "Guarantees".
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import os
 import sys
 import warnings
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 from array_api_compat import array_namespace, device
 
 from . import linalg
-from .kronecker import Structure
+from .kronecker import BlockDiagonalFactor, Structure, factor_structure, state_size
 from .linalg import Array
 
-__all__ = ["InverseRootError", "InverseRootWarning"]
+__all__ = ["FactorSizeWarning", "InverseRootError", "InverseRootWarning"]
 
 
 class InverseRootWarning(RuntimeWarning):
@@ -59,6 +62,18 @@ def check_matrix(X: Array, name: str) -> Any:
     return xp
 
 
+NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip", "propagate")
+"""The values of ``nonfinite``: what a step does with a NaN or infinite gradient (page "Guarantees")."""
+
+
+def check_nonfinite_policy(policy: Any, where: str = "") -> str:
+    """``policy`` if it is one of `NONFINITE_POLICIES`, else a ValueError (prefixed with ``where``)."""
+    if policy not in NONFINITE_POLICIES:
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}nonfinite must be 'raise', 'skip' or 'propagate', got {policy!r}")
+    return policy
+
+
 def check_finite(xp: Any, G: Array, W: Optional[Array] = None) -> None:
     """Raise before any state changes if ``G`` (or ``W``, when given) has a NaN or an infinity.
 
@@ -91,6 +106,176 @@ def check_finite(xp: Any, G: Array, W: Optional[Array] = None) -> None:
             "step diverged, or they were loaded so); the step was not taken and the state is unchanged. "
             "Restore W from a checkpoint"
         )
+
+
+# ------------------------------------------------------- other optimizers' keywords
+#: Keywords of ``torch.optim.Muon`` and ``optax.contrib.muon`` that are fields of
+#: [`PolarConfig`][fismo_core.PolarConfig] here: Muon's Newton–Schulz iteration is line 8's polar factor.
+MUON_POLAR_KEYWORDS: dict[str, tuple[str, str]] = {
+    "ns_steps": ("torch.optim.Muon, optax.contrib.muon", "steps"),
+    "ns_coefficients": ("torch.optim.Muon", "coefficients"),
+    "ns_coeffs": ("optax.contrib.muon", "coefficients"),
+    "eps": ("torch.optim.Muon, optax.contrib.muon", "eps"),
+}
+_ADJUST_LR = "'original': lr * sqrt(max(1, m / n)), 'match_rms_adamw': lr * 0.2 * sqrt(max(m, n))"
+#: Their other keywords: who uses the name, and FISMO's spelling (a function of the value given).
+MUON_KEYWORDS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "momentum": (
+        "torch.optim.Muon",
+        lambda v: f"beta={v!r} (the momentum of line 7, M <- beta M + (1 - beta) G~, an average of the same form)",
+    ),
+    "adjust_lr_fn": (
+        "torch.optim.Muon",
+        lambda v: "only fismo_core.backends.torch.FISMO takes adjust_lr_fn; here scale the learning rate "
+        f"by the shape yourself ({_ADJUST_LR})",
+    ),
+    "adaptive": ("optax.contrib.muon", lambda v: "no equivalent: FISMO has no adaptive scaling of the update"),
+    "preconditioning": (
+        "optax.contrib.muon",
+        lambda v: "no option: FISMO's Newton–Schulz normalises by the Frobenius norm (optax's 'frobenius'); "
+        "polar='svd' is the exact polar factor",
+    ),
+    "mu_dtype": (
+        "optax.contrib.muon",
+        lambda v: "no option: the momentum and factors are float32 for bfloat16/float16 parameters and in the "
+        "parameters' dtype otherwise (fismo_core.state_dtype)",
+    ),
+    "consistent_rms": (
+        "optax.contrib.muon",
+        lambda v: "no equivalent: scale the learning rate (fismo_core.backends.torch.FISMO's "
+        "adjust_lr_fn='match_rms_adamw' is lr * 0.2 * sqrt(max(m, n)))",
+    ),
+}
+
+_Decorated = TypeVar("_Decorated")
+
+
+def _polar_value(field: str, value: Any) -> Any:
+    """A Muon value as the `PolarConfig` field takes it: Muon's one ``(a, b, c)`` triple is a schedule of one."""
+    if field == "coefficients" and not isinstance(value, str):
+        try:
+            if len(value) == 3 and all(isinstance(v, numbers.Real) for v in value):
+                return (tuple(value),)
+        except TypeError:
+            pass
+    return value
+
+
+def foreign_keyword_error(
+    subject: str, given: dict[str, Any], notes: Optional[dict[str, tuple[str, str]]] = None
+) -> TypeError:
+    """The ``TypeError`` for keywords of other optimizers (`MUON_POLAR_KEYWORDS`, `MUON_KEYWORDS`, ``notes``).
+
+    ``subject`` starts the message (``"FISMO() got keyword arguments"``). It
+    names each keyword with the optimizers that use it and FISMO's spelling
+    of it, the Newton–Schulz ones gathered into one ``polar=PolarConfig(...)``.
+    ``notes`` adds an adapter's own keywords: name to ``(origin, hint)``.
+    """
+    notes = notes or {}
+    origins, spellings, polar = [], [], {}
+    for name, value in given.items():
+        origin = []
+        if name in MUON_POLAR_KEYWORDS:
+            origin.append(MUON_POLAR_KEYWORDS[name][0])
+            field = MUON_POLAR_KEYWORDS[name][1]
+            polar[field] = _polar_value(field, value)
+        if name in MUON_KEYWORDS:
+            origin.append(MUON_KEYWORDS[name][0])
+            spellings.append(f"{name} -> {MUON_KEYWORDS[name][1](value)}")
+        if name in notes:
+            origin.append(notes[name][0])
+            spellings.append(f"{name} -> {notes[name][1]}")
+        origins.append(f"{name}={value!r} ({'; '.join(origin)})")
+    if polar:
+        fields = ", ".join(f"{k}={v!r}" for k, v in polar.items())
+        spellings.insert(0, f"polar=PolarConfig({fields}) (line 8's polar factor; a dict of the same fields works too)")
+    return TypeError(
+        f"{subject} of other optimizers, which FISMO spells differently: "
+        f"{', '.join(origins)}. In FISMO: {'; '.join(spellings)}"
+    )
+
+
+def foreign_keywords(
+    where: str, notes: Optional[dict[str, tuple[str, str]]] = None
+) -> Callable[[_Decorated], _Decorated]:
+    """Decorate a function or a class (its ``__init__``) so that other optimizers' keywords get FISMO's spelling.
+
+    A keyword the function does not take that is one of ``torch.optim.Muon``'s
+    or ``optax.contrib.muon``'s (`MUON_POLAR_KEYWORDS`, `MUON_KEYWORDS`) or
+    in ``notes`` (an adapter's: name to ``(origin, hint)``) raises
+    `foreign_keyword_error` before the function runs;
+    any other unexpected keyword gets Python's own ``TypeError``. The
+    signature seen by ``inspect`` is the function's own.
+    """
+    known = set(MUON_POLAR_KEYWORDS) | set(MUON_KEYWORDS) | set(notes or ())
+
+    def decorate(target: Any) -> Any:
+        function = target.__init__ if isinstance(target, type) else target
+        foreign = known - set(inspect.signature(function).parameters)
+
+        @functools.wraps(function)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            given = {k: v for k, v in kwargs.items() if k in foreign}
+            if given:
+                raise foreign_keyword_error(f"{where}() got keyword arguments", given, notes)
+            return function(*args, **kwargs)
+
+        if isinstance(target, type):
+            target.__init__ = checked
+            return target
+        return checked
+
+    return decorate
+
+
+# ------------------------------------------------------------------ factor size
+class FactorSizeWarning(UserWarning):
+    """A matrix's Kronecker factors would hold far more entries than the matrix (`check_factor_size`)."""
+
+
+#: `check_factor_size` warns when ``P`` and ``Q`` hold more than this many times the matrix's entries ...
+FACTOR_SIZE_RATIO = 16
+#: ... and more than this many entries (a 1024 x 1024 factor, 4 MiB in float32).
+FACTOR_SIZE_FLOOR = 1024 * 1024
+
+
+def check_factor_size(m: int, n: int, block_size: Optional[int], name: str = "W") -> None:
+    """Warn (`FactorSizeWarning`) when the factors of an ``m x n`` matrix would dwarf the matrix.
+
+    The rule: ``P`` and ``Q`` as stored (``m^2 + n^2`` entries with full
+    factors, at most ``(m + n) B`` with ``block_size=B``) hold more than
+    ``FACTOR_SIZE_RATIO = 16`` times the ``m n`` entries of the matrix and
+    more than ``FACTOR_SIZE_FLOOR = 2^20``. With full factors the ratio is
+    ``m/n + n/m``: at most about 9 for the weights FISMO is meant for (4 for
+    a transformer MLP, 8/3 for a gated one, 9 for a 3x3 convolution
+    ``(c, 9c)``), 16 or more for a vector stored as a matrix (``(1, d)``),
+    an embedding table or a vocabulary head, whose factor of side ``d`` costs
+    a ``d x d`` eigendecomposition at every step. The floor spares small
+    matrices whose factors are cheap whatever the ratio. Called when a
+    state is created ([`FISMO.init`][fismo_core.FISMO.init], so once per
+    parameter in the adapters); ``name`` says which parameter.
+    """
+    entries = (state_size(m, n, block_size) - m * n) // 2  # P and Q; their roots are the other half
+    if entries <= max(FACTOR_SIZE_RATIO * m * n, FACTOR_SIZE_FLOOR):
+        return
+
+    def shape(d: int) -> str:
+        s = factor_structure(d, block_size)
+        if not isinstance(s, BlockDiagonalFactor):
+            return f"{d}x{d}"
+        return f"{s.k} block{'s' if s.k > 1 else ''} {s.B}x{s.B}" + (f" and one {s.r}x{s.r}" if s.r else "")
+
+    largest = max(part[-1] for d in (m, n) for part in factor_structure(d, block_size).part_shapes())
+    warnings.warn(
+        f"FISMO: {name}, a {m}x{n} matrix, would keep Kronecker factors P ({shape(m)}) and Q ({shape(n)}) of "
+        f"{entries:,} entries, {entries / (m * n):.0f} times the {m * n:,} entries of the matrix (and their "
+        f"inverse roots as many again), and take the inverse root of a {largest}x{largest} matrix at every "
+        f"step. {'Pass block_size=B' if block_size is None else f'Pass a block_size below {block_size}'} "
+        "(block-diagonal factors of at most (m + n) B entries; see the page 'Scaling up'), or, for a vector "
+        "stored as a matrix, an embedding or an output head, optimise it with AdamW",
+        FactorSizeWarning,
+        stacklevel=_caller_stacklevel(),
+    )
 
 
 # ------------------------------------------------------------- statistics scale
@@ -259,15 +444,23 @@ def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call).
 
     The depth differs between ``FISMO.step``, ``FISMO.direction`` and the
-    adapters, so it is counted rather than fixed.
+    adapters, so it is counted rather than fixed. The frameworks' own
+    frames between the user and an adapter (``torch.no_grad``'s wrapper of
+    ``optimizer.step``, ``jax.tree`` and ``optax`` combinators) are passed over too.
     """
     import fismo_core.backends
 
     roots = tuple(os.path.dirname(p) + os.sep for p in (__file__, fismo_core.backends.__file__))
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(roots):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(roots)
+        or frame.f_globals.get("__name__", "").startswith(_FRAMEWORK_MODULES)
+    ):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_FRAMEWORK_MODULES = ("torch.", "jax.", "jaxlib.", "optax.")
 
 
 def _matrix_ok(xp: Any, residuals: list[Array], batch_ndim: int, tolerance: float) -> Array:

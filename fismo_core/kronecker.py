@@ -2,14 +2,16 @@
 
 A *structure* says how one side's factor is stored and how lines 4–8 act on
 it; the arrays themselves live in [`FISMOState`][fismo_core.FISMOState].
-Each structure offers the same five operations, so the step reads as
-Algorithm 1 whatever the structure:
+Every structure satisfies one contract, the protocol `KroneckerFactor`, so
+the step reads as Algorithm 1 whatever the structure:
 
 - ``identity``: ``P_0 = I``;
 - ``update``: lines 4 and 5, ``P_t = sym(m P~_t / tr P~_t)`` with
   ``P~_t = gamma P_{t-1} + (1 - gamma) L_t`` and the damping of ``L_t``;
 - ``inverse_sqrt``: ``P_t^{-1/2}`` (fault handling: [`fismo_core.guards`][]);
-- ``left`` and ``right``: ``P^{-1/2} X`` and ``X Q^{-1/2}``.
+- ``left`` and ``right``: ``P^{-1/2} X`` and ``X Q^{-1/2}``;
+- ``parts``, ``from_parts``, ``part_shapes``: the arrays a factor is stored
+  as (the state's fields and a checkpoint's keys).
 
 Two structures exist. `FullFactor` is the paper's: one dense ``d x d``
 matrix. `BlockDiagonalFactor` keeps only the diagonal blocks (size ``B``,
@@ -24,13 +26,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 from array_api_compat import array_namespace, device
 
 from .linalg import Array
 
-__all__ = ["BlockDiagonalFactor", "Blocks", "FullFactor", "factor_structure", "state_size", "to_dense"]
+__all__ = [
+    "BlockDiagonalFactor",
+    "Blocks",
+    "FullFactor",
+    "KroneckerFactor",
+    "factor_structure",
+    "state_size",
+    "to_dense",
+]
 
 
 class Blocks(NamedTuple):
@@ -43,6 +53,61 @@ class Blocks(NamedTuple):
 
 Factor = Union[Array, Blocks]
 """One side's factor as stored in the state: an array (`FullFactor`) or `Blocks`."""
+
+
+@runtime_checkable
+class KroneckerFactor(Protocol):
+    """The contract of a structure of one Kronecker factor, ``P`` (``d = m``) or ``Q`` (``d = n``).
+
+    [`FISMO`][fismo_core.FISMO] reaches a factor only through these members,
+    so a new structure (say, another sparsity pattern) that satisfies them
+    runs lines 4–8 and every guard unchanged. Symbols are Algorithm 1's,
+    written for ``P``; every array may carry leading batch dimensions.
+    `FullFactor` (the paper's) and `BlockDiagonalFactor` satisfy it
+    (``tests/test_one_home.py`` checks members and signatures).
+    """
+
+    d: int
+    """The side's size: ``P`` and its root are ``d x d`` (as a whole)."""
+
+    def parts(self, factor: Factor) -> tuple[Array, ...]:
+        """The arrays ``factor`` is stored as, each a stack of square blocks; ``from_parts`` inverts it."""
+        ...
+
+    def from_parts(self, parts: tuple[Array, ...]) -> Factor:
+        """The factor (as kept in `FISMOState`) from its arrays, in the order of ``parts``."""
+        ...
+
+    def part_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The trailing shape of each part after the batch: ``(d, d)``, or ``(k, B, B)`` and ``(r, r)`` for blocks."""
+        ...
+
+    def identity(self, xp: Any, batch: tuple[int, ...], dtype: Any, dev: Any) -> Factor:
+        """``P_0 = I_d`` for every matrix of the batch, in namespace ``xp`` with ``dtype`` on ``dev``."""
+        ...
+
+    def update(self, A: Factor, X: Array, divisor: int, gamma: float, mu: float, inv_s2: Any) -> Factor:
+        """Line 4 (``P``) or 5 (``Q``): ``P_t = sym(d P~_t / tr P~_t)``, ``P~_t = gamma P_{t-1} + (1 - gamma) L_t``.
+
+        ``L_t = X X^T / divisor + mu tr(P_{t-1})/d I`` with
+        ``X = G Q_{t-1}^{-1/2}`` and ``divisor = n`` for ``P``
+        (``X = (P_t^{-1/2} G)^T``, ``divisor = m`` for ``Q``); ``X`` may be
+        scaled by ``1/s`` with ``inv_s2 = 1/s^2``, which the result does not
+        depend on (see `FullFactor.update`).
+        """
+        ...
+
+    def inverse_sqrt(self, A: Factor, root: Callable[[Array], Array]) -> Factor:
+        """``P_t^{-1/2}``, applying ``root`` (an inverse square root of a stack of matrices) to each part."""
+        ...
+
+    def left(self, Z: Factor, X: Array) -> Array:
+        """``Z X`` for ``Z = P^{-1/2}`` of this structure and ``X`` ``(..., d, c)``: lines 6 and 8's left factor."""
+        ...
+
+    def right(self, X: Array, Z: Factor) -> Array:
+        """``X Z`` for ``X`` ``(..., c, d)`` and ``Z = Q^{-1/2}`` of this structure: lines 6 and 8's right factor."""
+        ...
 
 
 def _trace(xp: Any, A: Array) -> Array:
@@ -212,10 +277,11 @@ def _combine(
     return (k * a) * A + (k * (b / 2)) * (gram + xp.matrix_transpose(gram)) + (k * c) * eye
 
 
-Structure = Union[FullFactor, BlockDiagonalFactor]
+Structure = KroneckerFactor
+"""The type of a structure in hints: any `KroneckerFactor` (`FullFactor` or `BlockDiagonalFactor` here)."""
 
 
-def factor_structure(d: int, block_size: Optional[int]) -> Structure:
+def factor_structure(d: int, block_size: Optional[int]) -> KroneckerFactor:
     """The structure of a side of size ``d``: full if ``block_size`` is ``None`` or ``d <= block_size``."""
     if block_size is None or d <= block_size:
         return FullFactor(d)

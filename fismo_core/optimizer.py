@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
@@ -92,7 +93,7 @@ class PolarConfig:
     def __call__(self, X: Array) -> Array:
         return linalg.polar(
             X, method=self.method, steps=self.steps, coefficients=self.coefficients, eps=self.eps,
-            rtol=self.rtol, dtype=self.dtype,
+            rtol=self.rtol, dtype=self.dtype, check=False,  # the optimizer's own checks: fismo_core.guards
         )
 
 
@@ -144,8 +145,9 @@ class InverseRootConfig:
         Amortisation, as Shampoo's precondition frequency: the roots are
         recomputed on every ``every``-th step only (the steps with
         ``state.step % every == 0``, so the first step always computes
-        them). ``P_t`` and ``Q_t`` are updated at every step regardless; on
-        the steps in between, lines 4–8 use the roots of the last
+        them: [`is_refresh_step`][fismo_core.InverseRootConfig.is_refresh_step]).
+        ``P_t`` and ``Q_t`` are updated at every step regardless; on the
+        steps in between, lines 4–8 use the roots of the last
         recomputation, ``P_s^{-1/2}`` and ``Q_s^{-1/2}`` (``s`` that step)
         in place of ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (and their squares in
         place of ``Q_{t-1}^{-1}``, ``P_t^{-1}``), and no root is checked. A
@@ -170,37 +172,40 @@ class InverseRootConfig:
     def __post_init__(self) -> None:
         if self.method not in ("eigh", "newton_schulz"):
             raise ValueError(f"unknown inverse-root method {self.method!r}: use 'eigh' or 'newton_schulz'")
-        if self.steps is not None and (
-            isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 1
-        ):
-            raise ValueError(
-                f"inverse-root steps must be a positive integer, got {self.steps!r} (or None: the schedule's default)"
-            )
+        if self.steps is not None:  # None: the schedule's default
+            object.__setattr__(self, "steps", linalg._check_integer("inverse-root steps", self.steps))
         try:
             linalg.inverse_sqrt_steps(self.coefficients, self.steps)  # validates both
         except ValueError as exc:
             raise ValueError(f"inverse-root {exc}") from exc
         if not isinstance(self.coefficients, str):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
-        if isinstance(self.every, bool) or not isinstance(self.every, numbers.Integral) or self.every < 1:
-            raise ValueError(f"inverse-root every must be a positive integer, got {self.every!r}")
-        object.__setattr__(self, "every", int(self.every))
+        object.__setattr__(self, "every", linalg._check_integer("inverse-root every", self.every))
         if self.fallback is not None and not isinstance(self.fallback, bool):
             raise TypeError(f"inverse-root fallback must be None, True or False, got {self.fallback!r}")
-        if (
-            isinstance(self.max_failures, bool)
-            or not isinstance(self.max_failures, numbers.Integral)
-            or self.max_failures < 0
-        ):
-            raise ValueError(f"inverse-root max_failures must be an integer >= 0, got {self.max_failures!r}")
+        max_failures = linalg._check_integer("inverse-root max_failures", self.max_failures, minimum=0)
         tolerance = _check_real("inverse-root tolerance", self.tolerance, 0.0, 1.0, low_open=True)
         if tolerance == 1.0:
             raise ValueError("inverse-root tolerance must lie in (0, 1), got 1.0")
-        object.__setattr__(self, "max_failures", int(self.max_failures))
+        object.__setattr__(self, "max_failures", max_failures)
         object.__setattr__(self, "tolerance", tolerance)
 
     def __call__(self, A: Array) -> Array:
-        return linalg.inverse_sqrt(A, method=self.method, steps=self.steps, coefficients=self.coefficients)
+        return linalg.inverse_sqrt(  # check=False: the optimizer's own checks are the fault handling above
+            A, method=self.method, steps=self.steps, coefficients=self.coefficients, check=False
+        )
+
+    def is_refresh_step(self, step: Any) -> Any:
+        """Whether the step taken from a state with ``state.step == step`` recomputes the roots (``every``).
+
+        ``step % every == 0``: the first step (``step = 0``) always does, and
+        with ``every = 1`` every step does. ``step`` is an int or a 0-d
+        integer array, traced too (the result then goes to ``jax.lax.cond``).
+        The one home of this rule: the core and every adapter ask it.
+        """
+        if self.every == 1:
+            return True
+        return step % self.every == 0
 
 
 class FISMOState(NamedTuple):
@@ -267,9 +272,8 @@ class FISMOState(NamedTuple):
         for name, value in self._asdict().items():
             if isinstance(value, Blocks):
                 block_size = value.full.shape[-1]
-                out[name] = value.full
-                if value.rest is not None:
-                    out[f"{name}_rest"] = value.rest
+                parts = _parts(value)
+                out.update(zip(factor_keys(name, len(parts)), parts))
             else:
                 out[name] = value
         return {**out, "block_size": block_size, _FORMAT_KEY: _FORMAT}
@@ -318,10 +322,9 @@ class FISMOState(NamedTuple):
         *batch, m, n = like.shape
         structures = {"P": factor_structure(m, block_size), "Q": factor_structure(n, block_size)}
         structures["P_inv_sqrt"], structures["Q_inv_sqrt"] = structures["P"], structures["Q"]
-        _check_block_size(d, keys, structures, block_size, tuple(like.shape))
-        part_keys = {name: [name] + ([f"{name}_rest"] if len(s.part_shapes()) == 2 else [])
-                     for name, s in structures.items()}
-        required = {k for ks in part_keys.values() for k in ks} | {"M", "step"}
+        _check_block_size(d, keys, state_block_size(m, n, block_size), block_size, tuple(like.shape))
+        layout = state_layout(m, n, block_size)
+        required = set(layout) | {"step"}
         missing = sorted(required - keys)
         if missing:
             raise KeyError(f"not a complete FISMO state: missing {missing} (keys present: {sorted(keys)})")
@@ -349,11 +352,11 @@ class FISMOState(NamedTuple):
         fields: dict[str, Any] = {}
         for name in _ARRAY_FIELDS:
             if name == "M":
-                fields[name] = read("M", (m, n))
+                fields[name] = read("M", layout["M"])
                 continue
             structure = structures[name]
-            parts = tuple(read(key, shape) for key, shape in zip(part_keys[name], structure.part_shapes()))
-            fields[name] = structure.from_parts(parts)
+            part_keys = factor_keys(name, len(structure.part_shapes()))
+            fields[name] = structure.from_parts(tuple(read(key, layout[key]) for key in part_keys))
         for name in ("skipped", "root_failures"):
             if name not in keys:
                 fields[name] = xp.zeros(tuple(batch), dtype=xp.int32, device=dev)
@@ -377,11 +380,9 @@ _FORMAT_KEY = "fismo_state_format"
 _FORMAT = 2
 
 
-def _check_block_size(d: Any, keys: set, structures: dict, block_size: Optional[int], shape: tuple) -> None:
-    """A state saved with another ``block_size`` is refused, naming both values."""
+def _check_block_size(d: Any, keys: set, expected: int, block_size: Optional[int], shape: tuple) -> None:
+    """A state saved with another ``block_size`` is refused, naming both values (``expected``: `state_block_size`)."""
     saved = int(d["block_size"]) if "block_size" in keys else 0
-    split = sorted({s.B for s in structures.values() if isinstance(s, BlockDiagonalFactor)})
-    expected = split[0] if split else 0
     if saved != expected:
         def say(b: int) -> str:
             return f"block_size={b}" if b else "no side split into blocks (block_size=None, or >= both sides)"
@@ -437,6 +438,7 @@ def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, lo
     return float(value)
 
 
+@guards.foreign_keywords("fismo_core.FISMO")
 @dataclass(frozen=True)
 class FISMO:
     """FISMO (Algorithm 1) for matrix parameters, as pure functions of arrays.
@@ -460,7 +462,11 @@ class FISMO:
         preconditioners' eigenvalues. Default 1e-3.
     polar:
         How ``Polar(M_t)`` is computed: a [`PolarConfig`][fismo_core.PolarConfig], a method name
-        (``"newton_schulz"``, ``"svd"``) or a dict of its fields.
+        (``"newton_schulz"``, ``"svd"``) or a dict of its fields. Muon's
+        ``ns_steps``, ``ns_coefficients`` and ``eps`` are its fields; passed
+        here under Muon's names (or ``momentum`` for ``beta``) they raise a
+        ``TypeError`` that gives this spelling
+        ([`foreign_keywords`][fismo_core.guards.foreign_keywords]).
     inv_root:
         How ``P_t^{-1/2}``, ``Q_t^{-1/2}`` are computed: an
         [`InverseRootConfig`][fismo_core.InverseRootConfig], a method name (``"eigh"``,
@@ -510,6 +516,41 @@ class FISMO:
         side of size ``<= B`` is one block, the full factor, so
         ``B >= max(m, n)`` is the printed algorithm bit for bit. Every other
         option works with blocks. See the page "Scaling up".
+
+    Examples
+    --------
+    One step on a ``4 x 3`` matrix of array-api-strict, the array API
+    standard and nothing more (NumPy, PyTorch, JAX and CuPy arrays work
+    alike). ``init`` is ``P_0 = I``, ``Q_0 = I``, ``M_0 = 0``; ``step`` is
+    lines 4–9 and returns new arrays of the input's library and dtype:
+
+    >>> import array_api_strict as xp
+    >>> from fismo_core import FISMO
+    >>> opt = FISMO(lr=0.02, beta=0.95, gamma=0.95, mu=1e-3)
+    >>> W = xp.ones((4, 3), dtype=xp.float64)
+    >>> state = opt.init(W)
+    >>> G = xp.reshape(xp.arange(12, dtype=xp.float64), (4, 3)) / 12
+    >>> W_new, state = opt.step(W, G, state)
+    >>> W_new.shape, W_new.dtype == xp.float64, state.step
+    ((4, 3), True, 1)
+    >>> state.P.shape, state.Q.shape, state.M.shape
+    ((4, 4), (3, 3), (4, 3))
+
+    ``P_t`` is symmetric with trace ``m`` (line 4's normalisation), and line
+    9 moved ``W`` by ``lr * dW_t``:
+
+    >>> bool(xp.all(state.P == xp.matrix_transpose(state.P))), round(float(xp.linalg.trace(state.P)), 9)
+    (True, 4.0)
+    >>> bool(xp.all(W_new == W))
+    False
+
+    With ``block_size=B`` a side longer than ``B`` keeps its diagonal blocks
+    (a [`Blocks`][fismo_core.kronecker.Blocks]: ``k`` full blocks and the
+    remainder):
+
+    >>> blocked = FISMO(block_size=3).init(xp.ones((7, 2), dtype=xp.float64))
+    >>> blocked.P.full.shape, blocked.P.rest.shape, blocked.Q.shape
+    ((2, 3, 3), (1, 1), (2, 2))
     """
 
     lr: float = 0.02
@@ -533,34 +574,35 @@ class FISMO:
         set_(self, "weight_decay", _check_real("weight_decay", self.weight_decay, 0.0))
         if not isinstance(self.nesterov, bool):
             raise TypeError(f"nesterov must be True or False, got {self.nesterov!r}")
-        if self.nonfinite not in ("raise", "skip", "propagate"):
-            raise ValueError(f"nonfinite must be 'raise', 'skip' or 'propagate', got {self.nonfinite!r}")
+        guards.check_nonfinite_policy(self.nonfinite)
         if self.statistics not in ("printed", "scale_invariant"):
             raise ValueError(f"statistics must be 'printed' or 'scale_invariant', got {self.statistics!r}")
-        if self.block_size is not None and (
-            isinstance(self.block_size, bool) or not isinstance(self.block_size, numbers.Integral) or self.block_size < 1
-        ):
-            raise ValueError(
-                f"block_size must be None (full factors, the printed algorithm) or a positive integer, "
-                f"got {self.block_size!r}"
-            )
-        if self.block_size is not None:
-            set_(self, "block_size", int(self.block_size))
+        set_(
+            self, "block_size",
+            linalg._check_integer("block_size", self.block_size, none_means="full factors, the printed algorithm"),
+        )
         set_(self, "polar", _as_config(self.polar, PolarConfig, "polar"))
         set_(self, "inv_root", _as_config(self.inv_root, InverseRootConfig, "inv_root"))
 
     # ------------------------------------------------------------------ init
-    def init(self, W: Array) -> FISMOState:
+    def init(self, W: Array, *, name: str = "W") -> FISMOState:
         """Initial state for parameters ``W`` ``(..., m, n)``: ``P_0 = I``, ``Q_0 = I``, ``M_0 = 0``.
 
         The state's dtype is ``W``'s if it is float32 or wider, float32 otherwise
         (statistics of bf16/fp16 parameters are kept in float32); its device
         and namespace are ``W``'s. With ``block_size``, a side longer than it
         keeps only its diagonal blocks (identity blocks here).
+
+        A [`FactorSizeWarning`][fismo_core.guards.FactorSizeWarning] says so
+        when the factors would hold far more entries than ``W`` (a thin
+        ``(1, 2000)`` matrix keeps a ``2000 x 2000`` ``Q``; the rule is
+        [`check_factor_size`][fismo_core.guards.check_factor_size]'s);
+        ``name`` is how it names ``W`` (the adapters pass the parameter's name).
         """
         xp = guards.check_matrix(W, "W")
         dtype = state_dtype(xp, W.dtype)
         *batch, m, n = W.shape
+        guards.check_factor_size(m, n, self.block_size, name)
         dev = device(W)
         left, right = self.structures(m, n)
         P = left.identity(xp, tuple(batch), dtype, dev)
@@ -678,10 +720,8 @@ class FISMO:
                 raise TypeError(f"refresh_roots must be None, True or False, got {refresh_roots!r}")
             return refresh_roots
         every = self.inv_root.every
-        if every == 1:
-            return True
         try:
-            return int(state.step) % every == 0
+            return bool(self.inv_root.is_refresh_step(state.step))
         except TypeError:  # traced (jax.errors.ConcretizationTypeError): no value to decide on
             raise ValueError(
                 f"InverseRootConfig(every={every}) recomputes the roots when state.step % {every} == 0, and "
@@ -724,9 +764,7 @@ class FISMO:
         if self.nonfinite == "raise":
             guards.check_finite(xp, G, W=W)
         direction, new_state, (G_white, scale) = self._guarded_step(xp, G, state, None)
-        # Line 9: W_t = W_{t-1} - eta dW_t.
-        W_decayed = W * (1 - self.lr * self.weight_decay) if self.weight_decay else W
-        W_new = W_decayed - self.lr * xp.astype(direction, W.dtype, copy=False)
+        W_new = line_9(W, direction, self.lr, self.weight_decay)  # line 9, with decoupled weight decay
         if self.nonfinite == "skip":  # a skipped matrix keeps W_{t-1} exactly: no weight decay either
             skipped_now = (new_state.skipped - state.skipped) > 0
             W_new = xp.where(skipped_now[..., None, None], W, W_new)
@@ -765,6 +803,88 @@ def state_dtype(xp: Any, dtype: Any) -> Any:
     the parameters' format.
     """
     return xp.float64 if dtype == xp.float64 else xp.float32
+
+
+# ------------------------------------------------------------ rules the adapters share
+# Each rule below has this one definition; the torch and optax adapters call it (tests/test_one_home.py).
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The matrix ``(m, n) = (shape[0], prod(shape[1:]))`` a weight of ``shape`` is optimised as.
+
+    The leading axis is the output axis, as in Muon's handling of PyTorch's
+    ``(out, in, kh, kw)`` convolution kernels; a matrix is itself. The
+    torch adapter flattens every weight so, and it is the optax adapter's
+    default ``matrix_shape``.
+    """
+    if len(shape) < 2:
+        raise ValueError(f"a weight optimised as a matrix needs at least 2 dimensions, got shape {tuple(shape)}")
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def line_9_factors(lr: Any, weight_decay: float, step_lr: Any = None) -> tuple[Any, Any]:
+    """Line 9 with decoupled weight decay as two numbers ``(decay, rate)``: ``W_t = (1 - decay) W_{t-1} - rate dW_t``.
+
+    ``decay = lr * weight_decay`` (0 without weight decay, and ``W_{t-1}``
+    is then not multiplied at all) and ``rate = step_lr``, by default ``lr``
+    (``eta``): the decay takes the unadjusted learning rate when the step
+    takes a shape-adjusted one, as ``torch.optim.Muon`` does, and it acts on
+    ``W_{t-1}``, not on ``dW_t`` (decoupled, as AdamW). Algorithm 1 is
+    ``weight_decay = 0``. `line_9` applies it to arrays; the torch adapter
+    applies it in place, the optax adapter as the update
+    ``-(rate dW_t + decay W_{t-1})``. ``lr`` may be an array (an optax
+    schedule's value, traced too).
+    """
+    return (lr * weight_decay if weight_decay else 0.0), (lr if step_lr is None else step_lr)
+
+
+def line_9(W: Array, dW: Array, lr: float, weight_decay: float = 0.0, *, step_lr: Optional[float] = None) -> Array:
+    """Line 9, ``W_t = W_{t-1} - eta dW_t``, after decoupled weight decay: ``W_t = (1 - decay) W_{t-1} - rate dW_t``.
+
+    ``decay`` and ``rate`` are `line_9_factors`'s. ``dW`` is rounded once to
+    ``W``'s dtype first; the result has ``W``'s dtype and a new array is
+    returned (``W`` is not changed).
+    """
+    xp = array_namespace(W, dW)
+    decay, rate = line_9_factors(lr, weight_decay, step_lr)
+    W_decayed = W * (1 - decay) if decay else W
+    return W_decayed - rate * xp.astype(dW, W.dtype, copy=False)
+
+
+def factor_keys(name: str, parts: int) -> tuple[str, ...]:
+    """The keys under which a factor field ``name`` is stored (`FISMOState.to_dict`, the torch state).
+
+    One part (a full factor, or blocks of one size): ``(name,)``; two (full
+    blocks and a remainder block): ``(name, name + "_rest")``.
+    """
+    return (name,) if parts == 1 else (name, f"{name}_rest")
+
+
+def state_layout(m: int, n: int, block_size: Optional[int]) -> dict[str, tuple[int, ...]]:
+    """Every array of the state of an ``m x n`` matrix, by its key in a checkpoint, with its shape after the batch.
+
+    Full factors: ``P``, ``P_inv_sqrt`` ``(m, m)``, ``Q``, ``Q_inv_sqrt``
+    ``(n, n)``, ``M`` ``(m, n)``. A side split into blocks (``block_size``)
+    keeps ``(k, B, B)`` under its names and, when ``B`` does not divide it,
+    ``(r, r)`` under ``"<name>_rest"`` (`factor_keys`). The keys of
+    `FISMOState.to_dict` and of the torch adapter's per-parameter state.
+    """
+    structures = {"P": factor_structure(m, block_size), "Q": factor_structure(n, block_size)}
+    layout: dict[str, tuple[int, ...]] = {}
+    for name in _ARRAY_FIELDS:
+        if name == "M":
+            layout["M"] = (m, n)
+            continue
+        shapes = structures[name[0]].part_shapes()
+        layout.update(zip(factor_keys(name, len(shapes)), (tuple(shape) for shape in shapes)))
+    return layout
+
+
+def state_block_size(m: int, n: int, block_size: Optional[int]) -> int:
+    """The ``"block_size"`` a checkpoint of an ``m x n`` matrix's state records: ``B`` if a side is split, else 0."""
+    split = {s.B for s in (factor_structure(m, block_size), factor_structure(n, block_size))
+             if isinstance(s, BlockDiagonalFactor)}
+    return split.pop() if split else 0
 
 
 def _check_call(G: Array, state: FISMOState, block_size: Optional[int]) -> Any:

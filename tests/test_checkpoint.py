@@ -235,14 +235,15 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
 @pytest.mark.parametrize(
     "make, exc, match",
     [
+        # The core's messages (FISMOState.from_dict validates), prefixed with the parameter.
         (lambda torch, saved, other: other, ValueError,
-         r"parameter 0 of param group 0 \(shape \(4, 5\)\) has shape \(4, 5\) \(optimised as the matrix 4x5\), "
-         r"so its state 'P' must have shape \(4, 4\); the checkpoint has \(6, 6\)"),
-        (lambda torch, saved, other: _edit(saved, 0, "P", None), KeyError, r"lacks \['P'\]"),
+         r"state for parameter 0 of param group 0 \(shape \(4, 5\)\), optimised as the 4x5 matrix: "
+         r"state\.P has shape \(6, 6\), but parameters of shape \(4, 5\) need \(4, 4\)"),
+        (lambda torch, saved, other: _edit(saved, 0, "P", None), KeyError, r"missing \['P'\]"),
         (lambda torch, saved, other: _edit(saved, 0, "M", torch.zeros(4, 5, dtype=torch.int64)), TypeError,
-         r"state 'M' of parameter 0 of param group 0 .* has dtype torch\.int64"),
+         r"state for parameter 0 of param group 0 .*: state\.M has dtype torch\.int64"),
         (lambda torch, saved, other: _edit(saved, 1, "skipped", torch.zeros(2)), ValueError,
-         r"counter 'skipped' .* must be one integer"),
+         r"state\.skipped must be an integer array of shape \(\)"),
         (lambda torch, saved, other: {"state": saved["state"], "param_groups": saved["param_groups"][::-1]},
          ValueError, r"param group 0 is a FISMO group, but the checkpoint's group 0 is an 'adamw' group"),
     ],
@@ -321,15 +322,15 @@ def test_torch_blocked_checkpoint_that_does_not_fit_is_refused() -> None:
     saved = opt.state_dict()
     assert saved["state"][0]["P"].shape == (1, 3, 3) and saved["state"][0]["P_rest"].shape == (1, 1)
     before = _snapshot(torch, opt)
-    with pytest.raises(KeyError, match=r"lacks \['P_rest'\]"):
+    with pytest.raises(KeyError, match=r"missing \['P_rest'\]"):
         opt.load_state_dict(_edit(saved, 0, "P_rest", None))
-    with pytest.raises(ValueError, match=r"state 'Q_rest' must have shape \(2, 2\); the checkpoint has \(3, 3\)"):
+    with pytest.raises(ValueError, match=r"state\.Q_rest has shape \(3, 3\), but parameters of shape \(4, 5\) need \(2, 2\)"):
         opt.load_state_dict(_edit(saved, 0, "Q_rest", torch.zeros(3, 3)))
     assert _same(torch, before, _snapshot(torch, opt))
     full_model, full = _torch_setup(torch)
     _torch_train(torch, full_model, full, range(2))
     full_saved = full.state_dict()
-    with pytest.raises(ValueError, match=r"remainder blocks \['P_rest'\]"):
+    with pytest.raises(KeyError, match=r"unexpected keys \['P_rest'\]"):
         full.load_state_dict(_edit(full_saved, 0, "P_rest", torch.zeros(1, 1)))
 
 

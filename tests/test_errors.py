@@ -9,14 +9,16 @@ the check would surface as a different error.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 import pytest
 
-from fismo_core import FISMO, FISMOState, InverseRootConfig, PolarConfig
+from fismo_core import FISMO, FactorSizeWarning, FISMOState, InverseRootConfig, PolarConfig, guards, linalg
 
 SHAPE = (6, 9)
 FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
@@ -377,3 +379,109 @@ def test_polar_iteration_dtype_with_the_exact_method_is_refused() -> None:
     with pytest.raises(ValueError, match="polar dtype must be None"):
         PolarConfig(dtype="int8")
     assert PolarConfig(dtype="bfloat16").dtype == "bfloat16"
+
+
+# ------------------------------------------------------- other optimizers' keywords
+#: torch.optim.Muon's iteration, as its signature states it (torch 2.13): the triple and the step count.
+MUON_TRIPLE, MUON_STEPS = (3.4445, -4.775, 2.0315), 5
+
+
+def _suggested_polar(message: str) -> PolarConfig:
+    """The ``polar=PolarConfig(...)`` an error message suggests, evaluated."""
+    found = re.search(r"polar=(PolarConfig\(.*?\)) \(line 8", message)
+    assert found, message
+    return eval(found.group(1), {"PolarConfig": PolarConfig})
+
+
+def test_muon_keywords_name_fismos_spelling() -> None:
+    """``momentum=`` and ``ns_steps=`` are refused with FISMO's names for them, not a bare TypeError."""
+    with pytest.raises(TypeError) as info:
+        FISMO(momentum=0.9, ns_steps=7)
+    message = str(info.value)
+    assert message.startswith("fismo_core.FISMO() got keyword arguments of other optimizers")
+    assert "momentum=0.9 (torch.optim.Muon)" in message and "momentum -> beta=0.9" in message
+    assert "polar=PolarConfig(steps=7)" in message
+
+
+def test_the_suggested_polar_config_is_muons_iteration() -> None:
+    """Muon's ``ns_steps``, ``ns_coefficients`` (one triple) and ``eps`` become one ``PolarConfig`` that,
+    evaluated as printed, runs Muon's schedule: its triple at each of its steps."""
+    with pytest.raises(TypeError) as info:
+        FISMO(ns_steps=MUON_STEPS, ns_coefficients=MUON_TRIPLE, eps=1e-7)
+    config = _suggested_polar(str(info.value))
+    assert (config.steps, config.eps) == (MUON_STEPS, 1e-7)
+    schedule, _ = linalg.newton_schulz_schedule(config.coefficients, config.steps)
+    assert schedule == (MUON_TRIPLE,) * MUON_STEPS == linalg.newton_schulz_schedule("muon", MUON_STEPS)[0]
+    assert FISMO(beta=0.9, polar=config).polar == config  # the spelling given is accepted as it stands
+
+
+@pytest.mark.parametrize("name", sorted({*guards.MUON_POLAR_KEYWORDS, *guards.MUON_KEYWORDS}))
+def test_every_muon_keyword_is_refused_with_a_spelling(name: str) -> None:
+    with pytest.raises(TypeError, match=rf"{name}=1 \(.*\)\. In FISMO: "):
+        FISMO(**{name: 1})
+
+
+def test_other_unknown_keywords_keep_pythons_error_and_the_signature() -> None:
+    """The check adds nothing to the signature (no ``**kwargs``) and leaves typos to Python's own error."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'betaa'"):
+        FISMO(betaa=0.9)
+    assert list(inspect.signature(FISMO).parameters) == [f.name for f in dataclasses.fields(FISMO)]
+    assert dataclasses.replace(FISMO(), lr=0.1).lr == 0.1
+
+
+# ------------------------------------------------------------------ factor size
+def _factor_size_warnings(record: Any) -> list:
+    return [w for w in record if issubclass(w.category, FactorSizeWarning)]
+
+
+@pytest.mark.parametrize("shape", [(1, 2000), (2000, 1)])
+def test_a_thin_matrix_warns_once_naming_block_size(shape: tuple[int, int]) -> None:
+    """A ``(1, 2000)`` matrix would keep a 2000 x 2000 factor, 2000 times its own size: one warning at init."""
+    W = np.zeros(shape, dtype=np.float32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        FISMO().init(W)
+    (warning,) = _factor_size_warnings(record)
+    message = str(warning.message)
+    assert f"W, a {shape[0]}x{shape[1]} matrix" in message and "(2000x2000)" in message
+    assert "Pass block_size=B" in message
+    assert warning.filename == __file__  # it points at the user's call
+
+
+def test_blocks_bound_the_factors_and_silence_the_warning() -> None:
+    """With ``block_size=256`` the thin matrix keeps at most 2000 x 256 entries per factor: no warning;
+    blocks of 1024 still hold 2M entries, 1000 times the matrix: a warning that asks for smaller blocks."""
+    W = np.zeros((1, 2000), dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FactorSizeWarning)
+        FISMO(block_size=256).init(W)
+    with pytest.warns(FactorSizeWarning, match=r"1 block 1024x1024 and one 976x976.*a block_size below 1024"):
+        FISMO(block_size=1024).init(W)
+
+
+@pytest.mark.parametrize(
+    "m, n, block_size",
+    [
+        (768, 768, None), (768, 2304, None), (768, 3072, None), (3072, 768, None),  # GPT-2
+        (4096, 11008, None), (2048, 5504, None),  # LLaMA MLPs
+        (512, 4608, None),  # a 3x3 convolution (c, 9c): factors 9 times the matrix
+        (128, 1920, None),  # factors 15.1 times the matrix, 3.7M entries: below the ratio
+        (1, 1023, None), (3, 64, None), (1, 3, None),  # small factors, whatever the ratio: below the floor
+        (768, 50257, 768),  # a vocabulary head with blocks
+    ],
+)
+def test_usual_weights_do_not_warn(m: int, n: int, block_size: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FactorSizeWarning)
+        guards.check_factor_size(m, n, block_size)
+
+
+@pytest.mark.parametrize(
+    "m, n",
+    [(768, 50257), (50257, 768), (128, 2048), (1, 1024)],
+    ids=["vocabulary-head", "embedding", "ratio-16.06", "floor-plus-one"],
+)
+def test_factors_far_larger_than_the_matrix_warn(m: int, n: int) -> None:
+    """The rule: more than 16 m n entries in P and Q, and more than 2^20."""
+    with pytest.warns(FactorSizeWarning, match=rf"a {m}x{n} matrix"):
+        guards.check_factor_size(m, n, None, name="W")

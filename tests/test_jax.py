@@ -460,3 +460,73 @@ def test_optax_bad_block_size_is_refused_before_any_state() -> None:
             fismo(0.02, block_size=bad)
         with pytest.raises(ValueError, match="block_size must be None"):
             scale_by_fismo(block_size=bad)
+
+
+# ------------------------------------------------------- what a new user hit (issue 18)
+@pytest.mark.parametrize(
+    "ours, muon",
+    [("fismo", "muon"), ("scale_by_fismo", "scale_by_muon")],
+)
+def test_optax_no_keyword_of_optax_muon_is_ignored(ours: str, muon: str) -> None:
+    """Every keyword of ``optax.contrib.muon`` (and ``scale_by_muon``) is the adapter's too or is refused
+    naming FISMO's spelling, before anything is built."""
+    import inspect
+
+    optax = _optax()
+    from fismo_core.backends import optax as adapter
+
+    function = getattr(adapter, ours)
+    accepted = set(inspect.signature(function).parameters)
+    refused = []
+    for name in inspect.signature(getattr(optax.contrib, muon)).parameters:
+        if name in accepted:
+            continue
+        with pytest.raises(TypeError, match=rf"{ours}\(\) got keyword arguments of other optimizers.*In FISMO: "):
+            function(**({"learning_rate": 0.02} if ours == "fismo" else {}), **{name: 1})
+        refused.append(name)
+    assert {"ns_coeffs", "ns_steps", "eps"} <= set(refused)
+
+
+def test_optax_muon_keywords_name_fismos_spelling() -> None:
+    _optax()
+    from fismo_core.backends.optax import fismo
+
+    with pytest.raises(TypeError) as info:
+        fismo(0.02, ns_steps=5, ns_coeffs=(3.4445, -4.775, 2.0315), adam_b1=0.8)
+    message = str(info.value)
+    assert "polar=PolarConfig(steps=5, coefficients=((3.4445, -4.775, 2.0315),))" in message
+    assert "adam_b1 -> the other leaves' AdamW: fismo(..., non_matrix=optax.adamw(learning_rate, b1=...))" in message
+
+
+def test_optax_nan_error_names_the_leaf() -> None:
+    """A NaN in a gradient raises naming the leaf by its pytree path, as the torch adapter names the parameter."""
+    _optax()
+    from fismo_core.backends.optax import fismo
+
+    params = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)}, "out": [jnp.ones((3, 2))]}
+    tx = fismo(0.02)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    grads["out"][0] = grads["out"][0].at[1, 0].set(jnp.nan).at[0, 0].set(jnp.inf)
+    with pytest.raises(ValueError, match=r"gradient of leaf \['out'\]\[0\] \(shape \(3, 2\)\) contains 1 NaN and 1 infinite"):
+        tx.update(grads, state, params)
+
+
+def test_optax_thin_leaf_warns_once_at_init_naming_it() -> None:
+    """A ``(1, 2000)`` leaf would keep a 2000 x 2000 ``Q``: one warning from ``init`` naming its path and
+    ``block_size``; none with ``block_size``, none for the other leaves."""
+    _optax()
+    from fismo_core import FactorSizeWarning
+    from fismo_core.backends.optax import fismo
+
+    params = {"cls": jnp.zeros((1, 2000)), "w": jnp.ones((4, 3))}
+    with pytest.warns(FactorSizeWarning) as record:
+        fismo(0.02).init(params)
+    (warning,) = [w for w in record if issubclass(w.category, FactorSizeWarning)]
+    assert "leaf ['cls'] (shape (1, 2000)), a 1x2000 matrix" in str(warning.message)
+    assert "block_size=B" in str(warning.message)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FactorSizeWarning)
+        fismo(0.02, block_size=256).init(params)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import io
 import math
+import warnings
 
 import pytest
 
@@ -818,3 +820,142 @@ def test_block_size_is_a_group_hyperparameter():
     assert opt.state[a]["P"].shape == (2, 4, 4) and opt.state[a]["P_rest"].shape == (1, 1)
     assert opt.state[b]["P"].shape == (9, 9) and "P_rest" not in opt.state[b]
     assert [g["block_size"] for g in opt.state_dict()["param_groups"]] == [4, None]
+
+
+# ------------------------------------------------------- what a new user hit (issue 18)
+def test_muon_keywords_name_fismos_spelling_and_the_spelling_runs_muons_iteration():
+    """torch.optim.Muon's ``momentum``, ``ns_steps``, ``ns_coefficients`` and ``eps`` (its defaults, read from
+    its signature) are refused with FISMO's spelling; evaluated as printed, the suggested ``PolarConfig``
+    is Muon's iteration, and FISMO accepts it."""
+    import re
+
+    from fismo_core import PolarConfig
+    from fismo_core.linalg import newton_schulz_schedule
+
+    muon = inspect.signature(torch.optim.Muon).parameters
+    given = {name: muon[name].default for name in ("momentum", "ns_steps", "ns_coefficients", "eps")}
+    W = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(TypeError) as info:
+        FISMO([W], lr=0.02, **given)
+    message = str(info.value)
+    assert message.startswith("fismo_core.backends.torch.FISMO() got keyword arguments of other optimizers")
+    assert f"momentum -> beta={given['momentum']!r}" in message
+    assert "AdamW's eps is a key of the AdamW groups" in message  # an Adam user's eps, too
+    config = eval(re.search(r"polar=(PolarConfig\(.*?\)) \(line 8", message).group(1), {"PolarConfig": PolarConfig})
+    assert config.eps == given["eps"]
+    schedule, _ = newton_schulz_schedule(config.coefficients, config.steps)
+    assert schedule == (tuple(given["ns_coefficients"]),) * given["ns_steps"]
+    opt = FISMO([W], lr=0.02, beta=given["momentum"], polar=config)
+    assert opt.param_groups[0]["polar"] == dataclasses.asdict(config)
+
+
+def test_no_keyword_of_torch_muon_is_ignored():
+    """Every keyword of ``torch.optim.Muon`` is FISMO's too or is refused naming FISMO's spelling."""
+    W = torch.nn.Parameter(torch.zeros(3, 4))
+    ours = set(inspect.signature(FISMO).parameters)
+    refused = 0
+    for name, parameter in inspect.signature(torch.optim.Muon).parameters.items():
+        if name in ("self", "params") or name in ours:
+            continue
+        with pytest.raises(TypeError, match=rf"{name}=.* In FISMO: .*{name} ->|In FISMO: polar=PolarConfig\("):
+            FISMO([W], **{name: parameter.default})
+        refused += 1
+    assert refused >= 4  # momentum, ns_steps, ns_coefficients, eps (torch 2.13)
+
+
+def test_muon_keys_in_a_group_are_refused():
+    """A group key FISMO does not know is otherwise kept and ignored: Muon's ``momentum`` is refused."""
+    W = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"param group 0 sets keys of other optimizers.*momentum -> beta=0.9"):
+        FISMO([{"params": [W], "momentum": 0.9}])
+
+
+def _linear_after_one_step(**options):
+    """A linear layer, weight on FISMO and bias on AdamW, one step taken (every state exists), fresh gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, dtype=torch.float64)
+    opt = FISMO(param_groups(model, head=None), lr=0.02, **options)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        if not opt.state:
+            opt.step()
+    return model, opt
+
+
+def _state_equal(a, b) -> bool:
+    """Two optimizer state dicts, bit for bit (tensors with ``torch.equal``, NaN never present here)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_nan_in_an_adamw_gradient_raises_before_anything_changes():
+    """``nonfinite="raise"`` covers the AdamW groups: a NaN in a bias gradient raises naming the bias, and
+    no parameter and no state (FISMO's or AdamW's) has changed."""
+    model, opt = _linear_after_one_step()
+    assert opt.param_groups[1]["algorithm"] == "adamw" and opt.param_groups[1]["nonfinite"] == "raise"
+    model.bias.grad[1] = math.nan
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"gradient of parameter 0 of param group 1 \(shape \(3,\)\) contains 1 NaN"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert _state_equal(opt.state_dict(), state)
+
+
+def test_skip_and_propagate_cover_adamw_groups():
+    """``"skip"``: the bias and its AdamW state stay as they were and the weight steps; ``"propagate"``: the
+    NaN reaches the bias, as in ``torch.optim.AdamW``. A group may set its own policy."""
+    model, opt = _linear_after_one_step(nonfinite="skip")
+    weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
+    bias_state = copy.deepcopy(opt.state[model.bias])
+    model.bias.grad[0] = math.inf
+    opt.step()
+    assert torch.equal(model.bias, bias) and not torch.equal(model.weight, weight)
+    assert _state_equal(opt.state[model.bias], bias_state)
+
+    model, opt = _linear_after_one_step(nonfinite="propagate")
+    model.bias.grad[0] = math.nan
+    opt.step()
+    assert torch.isnan(model.bias).any()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, dtype=torch.float64)
+    fismo_group, adamw_group = param_groups(model, head=None)
+    opt = FISMO([fismo_group, {**adamw_group, "nonfinite": "propagate"}], lr=0.02)
+    model(torch.randn(8, 4, dtype=torch.float64)).square().sum().backward()
+    model.bias.grad[0] = math.nan
+    opt.step()  # the optimizer's "raise" does not overrule the group's own policy
+    assert torch.isnan(model.bias).any() and torch.isfinite(model.weight).all()
+    with pytest.raises(ValueError, match="nonfinite must be 'raise', 'skip' or 'propagate'"):
+        FISMO([{**adamw_group, "nonfinite": "ignore"}])
+
+
+def test_a_thin_parameter_warns_once_naming_it_and_block_size():
+    """A ``(1, 2000)`` parameter would keep a 2000 x 2000 ``Q``: one warning, when its state is created,
+    naming the parameter and ``block_size``; with ``block_size`` none. (``gamma = 1`` keeps P and Q at the
+    identity, so the steps take no inverse root and the test stays fast.)"""
+    from fismo_core import FactorSizeWarning
+
+    thin = torch.nn.Parameter(torch.zeros(1, 2000))
+    opt = FISMO([("encoder.cls_token", thin)], lr=0.02, gamma=1.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            thin.grad = torch.randn(1, 2000)
+            opt.step()
+    (warning,) = [w for w in record if issubclass(w.category, FactorSizeWarning)]
+    assert "parameter 'encoder.cls_token', a 1x2000 matrix" in str(warning.message)
+    assert "Q (2000x2000)" in str(warning.message) and "block_size=B" in str(warning.message)
+    assert warning.filename == __file__
+
+    opt = FISMO([thin], lr=0.02, gamma=1.0, block_size=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FactorSizeWarning)
+        opt.step()
