@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from . import __version__
+from .linalg import _check_integer
 from .optimizer import FISMO, InverseRootConfig, PolarConfig
 from .testing import (
     VERIFY_SHAPES,
@@ -627,8 +628,7 @@ def verify(
         import numpy  # noqa: F401
     except ImportError as exc:
         raise RuntimeError("fismo verify needs NumPy, the reference backend: pip install 'fismo[numpy]'") from exc
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    steps = _check_integer("steps", steps)
     report = Report()
     with full_float32_matmuls(), _one_thread():
         if reference is None:
