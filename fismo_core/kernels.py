@@ -1,6 +1,6 @@
-"""CPU kernel sets: the instruction-set code paths that OpenBLAS, torch and XLA choose at run time.
+"""CPU kernel sets: the instruction-set code paths that OpenBLAS, MKL, torch and XLA choose at run time.
 
-NumPy's and SciPy's OpenBLAS, torch's ATen and JAX's XLA each pick their
+NumPy's and SciPy's OpenBLAS, torch's ATen and MKL, and JAX's XLA each pick their
 CPU kernels by the CPU they find (AVX2, AVX-512, ...), and kernels of another
 instruction set round differently: the same float64 program can differ in
 its last bits between two CPUs. A number that the documentation or a test
@@ -11,11 +11,13 @@ library can be told to use other kernels than its CPU's:
 - OpenBLAS: ``OPENBLAS_CORETYPE`` (``Haswell``, ``SkylakeX``,
   ``Sandybridge``, ...), read when NumPy is imported;
 - torch: ``ATEN_CPU_CAPABILITY`` (``default``, ``avx2``, ``avx512``), read
-  when torch is imported;
+  when torch is imported, for its own kernels; its matrix products and
+  decompositions go through MKL, which ``MKL_CBWR`` (``COMPATIBLE``,
+  ``AVX2``, ``AVX512``) sets;
 - XLA: ``--xla_cpu_max_isa`` in ``XLA_FLAGS`` (``AVX``, ``AVX2``,
   ``AVX512``), read when JAX starts its CPU backend.
 
-All three are read once per process, so a kernel set is run as a fresh
+All of them are read once per process, so a kernel set is run as a fresh
 process with `KernelSet.environ`. ``python -m fismo_core.kernels`` prints
 the sets this CPU can run, one per line (name, then the variables), which
 is how ``.ci/run`` runs the number-bearing tests under each.
@@ -34,7 +36,7 @@ __all__ = ["KERNEL_SETS", "KernelSet", "cpu_flags", "main", "runnable"]
 
 @dataclass(frozen=True)
 class KernelSet:
-    """One choice of CPU kernels for OpenBLAS, torch and XLA.
+    """One choice of CPU kernels for OpenBLAS, torch (ATen and MKL) and XLA.
 
     ``env`` holds the variables that force it (empty: the CPU's own choice);
     ``needs`` the CPU flags (as ``/proc/cpuinfo`` names them) without which
@@ -65,11 +67,13 @@ class KernelSet:
 
 KERNEL_SETS: tuple[KernelSet, ...] = (
     KernelSet("native"),
-    KernelSet("haswell-avx2", {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2"},
+    KernelSet("haswell-avx2", {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
               ("avx2", "fma"), "AVX2"),
-    KernelSet("skylakex-avx512", {"OPENBLAS_CORETYPE": "SkylakeX", "ATEN_CPU_CAPABILITY": "avx512"},
+    KernelSet("skylakex-avx512",
+              {"OPENBLAS_CORETYPE": "SkylakeX", "ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"},
               ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"), "AVX512"),
-    KernelSet("sandybridge-default", {"OPENBLAS_CORETYPE": "Sandybridge", "ATEN_CPU_CAPABILITY": "default"},
+    KernelSet("sandybridge-default",
+              {"OPENBLAS_CORETYPE": "Sandybridge", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
               ("avx",), "AVX"),
 )
 """The kernel sets the tests and ``.ci/run`` know: the CPU's own, and three forced ones.
@@ -77,7 +81,8 @@ KERNEL_SETS: tuple[KernelSet, ...] = (
 ``haswell-avx2`` and ``skylakex-avx512`` are the two families of kernels
 most x86-64 machines use today (AVX2, as on most AMD and older Intel CPUs,
 and AVX-512); ``sandybridge-default`` is the oldest (AVX OpenBLAS kernels,
-torch's portable kernels with no SIMD), which rounds most differently."""
+torch's portable kernels with no SIMD, MKL's compatible code path),
+which rounds most differently."""
 
 
 def cpu_flags() -> frozenset[str]:

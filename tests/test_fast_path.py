@@ -94,7 +94,8 @@ def test_newton_schulz_roots_track_eigh_for_1000_steps(target, shape, single_thr
 @pytest.mark.parametrize("target", FAST_PATH_TARGETS)
 def test_polar_express_polar_tracks_svd(target, shape, single_threaded_torch) -> None:
     """Polar Express (8 steps) in line 8 against the exact polar factor, 300 steps. Measured: at
-    most 4.4e-15 (float64) and 1.6e-6 (float32) relative difference of the directions (the
+    most 4.2e-15 to 4.4e-15 (float64) and 1.5e-6 to 1.9e-6 (float32; ranges over the CPU kernel sets)
+    relative difference of the directions (the
     momentum's condition number stays below 30, inside the schedule's design range of 1e3);
     tolerances 100 times that."""
     fast = FISMO(polar={"coefficients": "polar_express", "steps": 8}, nonfinite="propagate")

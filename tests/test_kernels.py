@@ -40,8 +40,11 @@ def test_the_registry_names_the_two_sets_ci_must_run() -> None:
     """The issue's two kernel sets besides the CPU's own, and a native set with nothing forced."""
     by_name = {ks.name: ks for ks in KERNEL_SETS}
     assert by_name["native"].env == {} and by_name["native"].xla_isa is None
-    assert by_name["haswell-avx2"].env == {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2"}
-    assert by_name["skylakex-avx512"].env == {"OPENBLAS_CORETYPE": "SkylakeX", "ATEN_CPU_CAPABILITY": "avx512"}
+    # the issue's two sets (OpenBLAS and torch's own kernels), with MKL (torch's matmul and eigh) to match
+    assert by_name["haswell-avx2"].env == {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2",
+                                          "MKL_CBWR": "AVX2"}
+    assert by_name["skylakex-avx512"].env == {"OPENBLAS_CORETYPE": "SkylakeX", "ATEN_CPU_CAPABILITY": "avx512",
+                                             "MKL_CBWR": "AVX512"}
     assert len({ks.name for ks in KERNEL_SETS}) == len(KERNEL_SETS)
 
 

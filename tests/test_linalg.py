@@ -315,6 +315,7 @@ def scalar_band(name: str, steps: int, *, exact: bool = False):
     return lo, hi
 
 
+@pytest.mark.numbers
 @pytest.mark.parametrize("table", ["docstring", "docs/linalg.md"])
 def test_band_table_matches_scalar_iteration(table: str) -> None:
     """The documented bands are the 3-decimal outward rounding of the scalar image of [1e-3, 1]."""
