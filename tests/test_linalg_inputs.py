@@ -409,7 +409,13 @@ def test_inverse_sqrt_matches_scipy(target: Target, kappa: float) -> None:
             ("fractional_matrix_power", scipy.linalg.fractional_matrix_power(A_r, -0.5)),
             ("inv(sqrtm)", scipy.linalg.inv(scipy.linalg.sqrtm(A_r))),
         ):
-            assert not np.iscomplexobj(reference), name
+            if np.iscomplexobj(reference):
+                # SciPy's Schur-based functions may return a complex array for a real SPD input, with
+                # imaginary parts at rounding level, depending on the CPU's kernels (measured: under
+                # OpenBLAS Sandybridge, fractional_matrix_power of the float32-rounded A at kappa = 1).
+                # The real part is the root; anything above rounding in the imaginary part is a fault.
+                assert np.abs(reference.imag).max() <= 1e3 * np.finfo(np.float64).eps, name
+                reference = reference.real
             error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
             assert error <= scipy_tolerance(target.dtype, kappa_f), (name, seed, error)
 
