@@ -54,13 +54,13 @@ def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: tor
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         left, right = core.structures(*G.shape[-2:])
         # The core returns the roots as arrays of their own, so in-place updates never alias P.
-        for name in STATE_KEYS:
-            value = getattr(init, name)
-            if name == "M":
+        for field in STATE_KEYS:
+            value = getattr(init, field)
+            if field == "M":
                 state["M"] = value
                 continue
-            parts = (left, right)[_SIDE[name]].parts(value)
-            for key, part in zip(_fismo.factor_keys(name, len(parts)), parts):
+            parts = (left, right)[_SIDE[field]].parts(value)
+            for key, part in zip(_fismo.factor_keys(field, len(parts)), parts):
                 state[key] = part
     for key in COUNTER_KEYS:  # also for states from before the counters existed
         if key not in state:

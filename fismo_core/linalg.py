@@ -538,26 +538,25 @@ def polar(
     xp = _check_float_matrices(X, "X")
     rtol = _check_rtol(rtol)
     checked = _check_flag(check)
+    if method not in ("svd", "newton_schulz"):
+        raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")
+    if method == "svd" and dtype is not None:
+        raise ValueError(
+            f"dtype={dtype!r} is the Newton–Schulz iteration dtype; method='svd' is exact and computes in "
+            "X's dtype: pass dtype=None"
+        )
+    if method == "newton_schulz":  # the arguments are checked before any value is read
+        schedule, safety = newton_schulz_schedule(coefficients, steps)
+        compute_dtype = X.dtype if dtype is None else _resolve_dtype(xp, dtype)
+    if checked:
+        _checks_can_run(xp, X, "X", "polar")
     if method == "svd":
-        if dtype is not None:
-            raise ValueError(
-                f"dtype={dtype!r} is the Newton–Schulz iteration dtype; method='svd' is exact and computes in "
-                "X's dtype: pass dtype=None"
-            )
-        if checked:
-            _checks_can_run(xp, X, "X", "polar")
         U, S, Vh = xp.linalg.svd(X, full_matrices=False)
         if S.shape[-1] == 0:  # m or n is 0: nothing to cut
             return U @ Vh
         cut = (default_polar_rtol(X) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
         keep = xp.astype(S > cut, U.dtype)  # 1 for s > rtol * s_max, else 0: U * 1 is U bit for bit
         return (U * keep[..., None, :]) @ Vh
-    if method != "newton_schulz":
-        raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")
-    schedule, safety = newton_schulz_schedule(coefficients, steps)
-    compute_dtype = X.dtype if dtype is None else _resolve_dtype(xp, dtype)
-    if checked:
-        _checks_can_run(xp, X, "X", "polar")
     transposed = X.shape[-2] > X.shape[-1]
     Y = xp.matrix_transpose(X) if transposed else X
     # ||Y||_F is taken of Y / s, s a power of two (_pow2_scale): the sum of squares cannot

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .linalg import _dtype_name
 from .optimizer import FISMO, FISMOState
 
 __all__ = [
@@ -557,10 +558,6 @@ class _Expected:
 
 def _namespace_name(xp: Any) -> str:
     return str(getattr(xp, "__name__", xp)).removeprefix("array_api_compat.")
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).rsplit(".", 1)[-1]  # torch.float32, array_api_strict.float32, float32: "float32"
 
 
 def _is_array(value: Any) -> bool:
