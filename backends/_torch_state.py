@@ -17,6 +17,7 @@ Every check raises before any parameter or state is touched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -26,7 +27,7 @@ from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
-from ._torch_distributed import is_dtensor, local_device
+from ._torch_distributed import is_dtensor, local_device, shard_group
 from ._torch_groups import CORE_DEFAULTS, param_name
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
@@ -168,12 +169,15 @@ def _check_through_core(saved: dict, p: torch.Tensor, block_size: Optional[int],
         ) from exc
 
 
-def restore_saved_state(state: dict, param_groups: list, saved_state: dict, saved_groups: list) -> None:
+def restore_saved_state(
+    state: dict, param_groups: list, saved_state: dict, saved_groups: list, owns: Callable[[Any], bool] = lambda p: True
+) -> None:
     """After ``Optimizer.load_state_dict``: FISMO states again at their own precision, copied from the saved tensors.
 
     The base class casts every floating state tensor to its parameter's
     dtype; the statistics are restored in the state dtype, the counters as
-    int32 (0 when the checkpoint predates them).
+    int32 (0 when the checkpoint predates them). A rank that does not own a
+    distributed matrix (``owns(p)`` false) keeps only its step count.
     """
     for saved_group, group in zip(saved_groups, param_groups):
         if group.get("algorithm", "fismo") != "fismo":
@@ -186,6 +190,11 @@ def restore_saved_state(state: dict, param_groups: list, saved_state: dict, save
             if not saved or p not in state:
                 continue
             s = state[p]
+            if not owns(p):
+                step = s.get("step")
+                s.clear()
+                s["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step or 0))
+                continue
             dtype = state_dtype(p.dtype)
             device = local_device(p)
             # Copies (copy=True): FISMO updates its state in place, so a state_dict taken from
@@ -204,6 +213,25 @@ def restore_saved_state(state: dict, param_groups: list, saved_state: dict, save
 
 
 # ---------------------------------------------------------------- gradients
+def _agree_across_shards(checks: list) -> list:
+    """A sharded (``DTensor``) parameter's flag, reduced (minimum) over its shard group: one all-reduce per group.
+
+    Replicas (HSDP) hold the same shards, so the shard group alone decides; every rank then takes the same decision.
+    """
+    by_group: dict[Any, list[int]] = {}
+    for k, (_, _, p, _) in enumerate(checks):
+        if is_dtensor(p) and shard_group(p) is not None:
+            by_group.setdefault(shard_group(p), []).append(k)
+    checks = list(checks)
+    for group, ks in by_group.items():
+        flags = torch.stack([checks[k][3] for k in ks])
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
+        for k, flag in zip(ks, flags):
+            checks[k] = (*checks[k][:3], flag)
+    return checks
+
+
+
 def check_grads(param_groups: list) -> set:
     """Every gradient is checked before any parameter or state changes.
 
@@ -248,12 +276,10 @@ def _check_finite_grads(param_groups: list) -> set:
             finite = torch.isfinite(local).all()
             if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "raise":  # damaged parameters too, same host read
                 finite = finite & torch.isfinite(p.to_local() if is_dtensor(p) else p).all()
-            flag = finite.to(torch.int32)
-            if is_dtensor(p):
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=p.device_mesh.get_group())
-            checks.append((gi, i, p, flag))
+            checks.append((gi, i, p, finite.to(torch.int32)))
     if not checks:
         return set()
+    checks = _agree_across_shards(checks)
     by_device: dict[torch.device, list[int]] = {}
     for k, (*_, flag) in enumerate(checks):
         by_device.setdefault(flag.device, []).append(k)

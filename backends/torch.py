@@ -207,11 +207,39 @@ class FISMO(Optimizer):
         dtypes are converted, as ``torch.optim`` does.) The FISMO state is copied, never shared
         with ``state_dict``'s tensors.
         """
-        saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
+        placements = self._placements()
+        saved_state = _full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
         check_saved_state(self.param_groups, saved_state, saved_groups)
-        super().load_state_dict(state_dict)
-        restore_saved_state(self.state, self.param_groups, saved_state, saved_groups)
+        super().load_state_dict({**state_dict, "state": saved_state})
+        restore_saved_state(
+            self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
+        )
+
+    def state_dict(self) -> dict:
+        """As ``Optimizer.state_dict``; a distributed matrix's state is saved in a layout independent of its owner.
+
+        In one process the state is that of the base class. Under DDP every
+        rank's ``state_dict`` holds the whole state of every matrix (broadcast
+        from its owner); under FSDP2, HSDP and tensor parallelism each state
+        tensor is a ``DTensor`` on the parameter's mesh, sharded on its first
+        dimension. So ``torch.distributed.checkpoint`` (``get_state_dict``,
+        ``dcp.save``, ``dcp.load``, ``set_state_dict``) saves one logical state
+        per matrix and resumes it on any number of ranks, where
+        `load_state_dict` hands each matrix's state to its owner in the new
+        world. Collective: every rank calls it, as it calls ``step``.
+        """
+        saved = super().state_dict()
+        placements = self._placements()
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                placement = placements.get(p)
+                state = self.state.get(p)
+                if placement is not None and placement.distributed and state:
+                    saved["state"][index] = _exported_state(p, group, placement, state)
+                index += 1
+        return saved
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -221,21 +249,12 @@ class FISMO(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         skip = check_grads(self.param_groups)
-        owners = _dist.owners(
-            (
-                (p, group.get("block_size"))
-                for group in self.param_groups
-                if group["algorithm"] == "fismo"
-                for p in group["params"]
-            ),
-            self.process_group,
-            _direction_cost,
-        )
+        placements = self._placements()
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 adamw_group_step(self.state, group, skip)
             else:
-                self._fismo_group_step(group, owners, skip)
+                self._fismo_group_step(group, placements, skip)
         return loss
 
     # ------------------------------------------------------------------ FISMO
@@ -247,64 +266,62 @@ class FISMO(Optimizer):
             cores[key] = make_core(key)
         return cores[key]
 
-    def _fismo_group_step(self, group: dict, owners: dict[torch.Tensor, int], skip: set = frozenset()) -> None:
+    def _placements(self) -> dict[torch.Tensor, _dist.Placement]:
+        """Where each FISMO matrix lives and which rank owns it (`_torch_distributed.placements`)."""
+        fismo_params = (
+            (p, group.get("block_size"))
+            for group in self.param_groups
+            if group["algorithm"] == "fismo"
+            for p in group["params"]
+        )
+        return _dist.placements(fismo_params, self.process_group, _direction_cost)
+
+    def _fismo_group_step(self, group: dict, placements: dict, skip: Union[set, frozenset] = frozenset()) -> None:
+        """Lines 4-9 for one group, in the placements' three phases: gather, compute on the owners, apply."""
         core = self._core_for(group)
         lr = scalar(group["lr"])
-        weight_decay = group["weight_decay"]
-        dist = torch.distributed
-
-        items = []  # (p, kind, pg, owner, me)
+        stepping = []
         for p in group["params"]:
             if p.grad is None:
                 continue
-            kind, pg = _dist.comm(p, self.process_group)
-            owner, me = (0, 0) if kind == "local" else (owners[p], dist.get_rank(pg))
+            placement = placements[p]
             if id(p) in skip:  # nonfinite="skip": p does not step; the rank keeping its state counts it
-                if me == owner:
+                if placement.owns:
                     dev = _dist.local_device(p)
                     self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=dev))["skipped"] += 1
+                else:
+                    self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
                 continue
-            items.append((p, kind, pg, owner, me))
+            stepping.append((p, placement))
 
-        # 1. Full gradients of sharded matrices are gathered to their owners.
-        full_grads: dict[torch.Tensor, torch.Tensor] = {}
-        pending = []
-        for p, kind, pg, owner, me in items:
-            if kind == "sharded":
-                pending.append((p, _dist.gather_rows(p.grad.to_local(), p.shape, pg, owner, me)))
-        for p, (work, finish) in pending:
-            work.wait()
-            full = finish()
-            if full is not None:
-                full_grads[p] = full
+        buckets: dict = {}  # matrices whose collectives travel together, by their placements' exchange key
+        for p, placement in stepping:
+            buckets.setdefault(placement.exchange_key(p), []).append((p, placement))
 
-        # 2. The owner of each matrix (every rank for local ones) computes its direction,
-        #    same-shape matrices in one batched core call.
+        # 1. Gather: the full gradient of each matrix reaches its owner.
+        gathers = [bucket[0][1].start_gather(bucket) for bucket in buckets.values()]
         mine = []
-        for p, kind, _pg, owner, me in items:
-            if kind == "local" or me == owner:
-                mine.append((p, full_grads.get(p, p.grad)))
-        directions = self._directions(core, mine)
+        for work, finish in gathers:
+            if work is not None:
+                work.wait()
+            mine.extend(finish().items())
 
-        # 3. Line 9: W <- (1 - lr * weight_decay) W - lr' * dW, then replicas are synchronised.
-        works = []
-        for p, kind, pg, owner, me in items:
-            m, n = _fismo.matrix_shape(p.shape)
-            step_lr = adjusted_lr(lr, group["adjust_lr_fn"], m, n)
-            if kind == "local":
-                _apply(p, directions[p], lr, step_lr, weight_decay)
-            elif kind == "replicated":
-                if me == owner:
-                    _apply(p, directions[p], lr, step_lr, weight_decay)
-                works.append(_dist.broadcast(p, pg, owner))
-            else:
-                local = p.to_local()
-                work, finish = _dist.scatter_rows(
-                    directions.get(p), p.shape, state_dtype(p.dtype), local.device, pg, owner, me
-                )
-                works.append((work, functools.partial(_apply_shard, local, finish, lr, step_lr, weight_decay)))
-        for work, finish in works:
-            work.wait()
+        # 2. Compute: the owners' directions, same-shape matrices in one batched core call.
+        directions = self._directions(core, mine)
+        for p, placement in stepping:  # every rank counts the steps of every matrix (checkpoints need it)
+            if not placement.owns:
+                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                self.state[p]["step"] += 1
+
+        # 3. Apply: line 9, W <- (1 - lr * weight_decay) W - lr' * dW, on each rank's data, then synchronise.
+        updates = {}
+        for p, _ in stepping:
+            step_lr = adjusted_lr(lr, group["adjust_lr_fn"], *_fismo.matrix_shape(p.shape))
+            updates[p] = functools.partial(_apply, lr=lr, step_lr=step_lr, weight_decay=group["weight_decay"])
+        applies = [bucket[0][1].start_apply(bucket, directions, updates) for bucket in buckets.values()]
+        for work, finish in applies:
+            if work is not None:
+                work.wait()
             finish()
 
     def _directions(self, core: _CoreFISMO, mine: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
@@ -375,5 +392,32 @@ def _apply(p: torch.Tensor, direction: torch.Tensor, lr: float, step_lr: float, 
     p.add_(direction.reshape(p.shape), alpha=-rate)
 
 
-def _apply_shard(local: torch.Tensor, finish: Callable, lr: float, step_lr: float, weight_decay: float) -> None:
-    _apply(local, finish(), lr, step_lr, weight_decay)
+# ---------------------------------------------------------------- checkpoints
+def _exported_state(p: torch.Tensor, group: dict, placement: _dist.Placement, state: dict) -> dict:
+    """One distributed matrix's state for ``state_dict``: its step count, and its owner's tensors in the checkpoint layout."""
+    dtype, device = state_dtype(p.dtype), _dist.local_device(p)
+    layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), group.get("block_size"))
+    exported = {"step": state["step"]}
+    for key, shape in layout.items():
+        exported[key] = placement.export(state.get(key) if placement.owns else None, shape, dtype, device)
+    for key in COUNTER_KEYS:
+        exported[key] = placement.export(state.get(key) if placement.owns else None, (), torch.int32, device)
+    return exported
+
+
+def _full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, placements: dict) -> dict:
+    """``saved_state`` with every distributed matrix's tensors made whole (``DTensor.full_tensor``), on every rank.
+
+    A collective (in parameter order, the same on every rank), so that every
+    rank then checks the same checkpoint and takes the same decision.
+    """
+    full = dict(saved_state)
+    for saved_group, group in zip(saved_groups, param_groups):
+        if group.get("algorithm", "fismo") != "fismo":
+            continue
+        for key, p in zip(saved_group["params"], group["params"]):
+            saved = saved_state.get(key)
+            placement = placements.get(p)
+            if saved and placement is not None and placement.distributed:
+                full[key] = {k: _dist.full_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+    return full

@@ -170,21 +170,24 @@ def _worker(rank: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("dist")
-    context = mp.start_processes(
-        _worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT
+def spawn(worker, args: tuple, nprocs: int, timeout: float, what: str) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` fresh processes; fail the test if they take over ``timeout`` seconds."""
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                pytest.fail(f"distributed run did not finish in {TIMEOUT} s")
+                pytest.fail(f"{what} did not finish in {timeout} s")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("dist")
+    spawn(_worker, (str(tmp / "store"), str(tmp / "out")), WORLD, TIMEOUT, "the distributed run")
     return [torch.load(tmp / f"out.{rank}", weights_only=False) for rank in range(WORLD)]
 
 

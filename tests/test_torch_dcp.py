@@ -1,0 +1,308 @@
+"""``torch.distributed.checkpoint`` at any world size, and every sharded layout: gloo, CPU, float64.
+
+Three spawns share one checkpoint directory:
+
+1. 2 ranks: FSDP2 and DDP train to ``RESUME_AT`` and save with
+   ``get_state_dict`` + ``dcp.save``;
+2. 4 ranks: both resume from the 2-rank checkpoints (2 -> 4) and finish; FSDP2
+   also trains to ``RESUME_AT`` and saves (for 4 -> 2); HSDP on a 2 x 2 mesh,
+   FSDP2 with ``Shard(1)`` and tensor parallelism run uninterrupted;
+3. 2 ranks: FSDP2 resumes from the 4-rank checkpoint (4 -> 2) and finishes.
+
+This process then resumes the 2-rank checkpoints on a plain, undistributed
+model (2 -> 1). Every finished run must equal one uninterrupted process on
+the whole batch (`_single_process`).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from test_torch_distributed import _data, _model, _optimizer, _train, spawn  # noqa: E402
+
+STEPS = 8
+RESUME_AT = 4
+TIMEOUT = 180  # seconds per spawn; a healthy one takes 10-30 s on 2 busy cores
+MATRICES = [0, 2, 4, 6, 8]  # the weights' indices in model.parameters()
+
+
+# ----------------------------------------------------------------- layouts
+def _fsdp2(mesh, shard_dim: int = 0):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    def placement(p):  # FSDP2 shards dims other than 0 only evenly: (1, 3) stays Shard(0) on 4 ranks
+        even = p.ndim == 2 and p.shape[shard_dim] % mesh.size() == 0
+        return Shard(shard_dim) if even else Shard(0)
+
+    model = _model()
+    for module in model:
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module, mesh=mesh, shard_placement_fn=placement if shard_dim else None)
+    return fully_shard(model, mesh=mesh, shard_placement_fn=placement if shard_dim else None)
+
+
+def _ddp():
+    model = _model()
+    return model, torch.nn.parallel.DistributedDataParallel(model)
+
+
+def _tensor_parallel(mesh):
+    """Colwise / rowwise pairs as in a transformer's MLP; the last layer stays a plain replicated tensor."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model()
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
+    return parallelize_module(model, mesh, plan)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [_full(p) for p in model.parameters()]
+
+
+# ----------------------------------------------------------------- checkpoints
+def _save(model, opt, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+
+def _load(model, opt, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _batch(rank: int, world: int):
+    X, Y = _data()
+    return X.chunk(world)[rank], Y.chunk(world)[rank]
+
+
+# ----------------------------------------------------------------- spawns
+def _first(rank: int, world: int, ckpt: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    X, Y = _batch(rank, world)
+    model = _fsdp2(init_device_mesh("cpu", (world,)))
+    opt = _optimizer(model)
+    _train(model, opt, X, Y, range(RESUME_AT))
+    _save(model, opt, ckpt / "fsdp2-2")
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _train(net, opt, X, Y, range(RESUME_AT))
+    _save(net, opt, ckpt / "ddp-2")
+    return {}
+
+
+def _second(rank: int, world: int, ckpt: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    X, Y = _batch(rank, world)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    model = _fsdp2(mesh)
+    opt = _optimizer(model)
+    _load(model, opt, ckpt / "fsdp2-2")
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    out["fsdp2 2->4"] = _params(model)
+
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _load(net, opt, ckpt / "ddp-2")
+    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
+    out["ddp 2->4"] = _params(model)
+
+    model = _fsdp2(mesh)
+    opt = _optimizer(model)
+    _train(model, opt, X, Y, range(RESUME_AT))
+    _save(model, opt, ckpt / "fsdp2-4")
+
+    hsdp = _fsdp2(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    opt = _optimizer(hsdp)
+    _train(hsdp, opt, X, Y, range(STEPS))
+    out["hsdp 2x2"] = _params(hsdp)
+    out["hsdp placements"] = str(next(hsdp.parameters()).placements)
+
+    model = _fsdp2(mesh, shard_dim=1)
+    opt = _optimizer(model)
+    _train(model, opt, X, Y, range(STEPS))
+    out["fsdp2 Shard(1)"] = _params(model)
+    out["Shard(1) placements"] = str(next(model.parameters()).placements)
+
+    tp = _tensor_parallel(mesh)
+    opt = _optimizer(tp)
+    X_all, Y_all = _data()  # tensor parallelism: every rank sees the whole batch
+    _train(tp, opt, X_all, Y_all, range(STEPS))
+    out["tensor parallel"] = _params(tp)
+    out["tp placements"] = [str(getattr(p, "placements", None)) for p in tp.parameters()]
+    return out
+
+
+def _third(rank: int, world: int, ckpt: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    X, Y = _batch(rank, world)
+    model = _fsdp2(init_device_mesh("cpu", (world,)))
+    opt = _optimizer(model)
+    _load(model, opt, ckpt / "fsdp2-4")
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    return {"fsdp2 4->2": _params(model)}
+
+
+def _worker(rank: int, world: int, phase: str, store: str, ckpt: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
+    try:
+        result = {"first": _first, "second": _second, "third": _third}[phase](rank, world, Path(ckpt))
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp: Path, world: int, phase: str) -> list[dict]:
+    args = (world, phase, str(tmp / f"store-{phase}"), str(tmp / "ckpt"), str(tmp / phase))
+    spawn(_worker, args, world, TIMEOUT, f"the {phase} spawn ({world} ranks)")
+    return [torch.load(tmp / f"{phase}.{rank}", weights_only=False) for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("dcp")
+    (tmp / "ckpt").mkdir()
+    _spawn(tmp, 2, "first")
+    second = _spawn(tmp, 4, "second")
+    third = _spawn(tmp, 2, "third")
+    return {"tmp": tmp, "second": second, "third": third}
+
+
+@pytest.fixture(scope="module")
+def single_process() -> list[torch.Tensor]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _model()
+        X, Y = _data()
+        _train(model, _optimizer(model), X, Y, range(STEPS))
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        torch.set_num_threads(before)
+
+
+def _worst(params: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(params, reference))
+
+
+# Why 1e-10: the ranks average their shards' mean gradients, which differs from the whole batch's
+# mean at float64 rounding (measured worst 1e-14 after 8 steps); a lost or repeated update of any
+# matrix, or a state resumed on the wrong owner, is an O(lr) = 5e-2 error.
+TOL = 1e-10
+
+
+@pytest.mark.parametrize("run", ["fsdp2 2->4", "ddp 2->4", "hsdp 2x2", "fsdp2 Shard(1)", "tensor parallel"])
+def test_four_ranks_equal_the_single_process_run(runs, single_process, run):
+    results = [r[run] for r in runs["second"]]
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    assert _worst(results[0], single_process) <= TOL
+
+
+def test_four_to_two_ranks(runs, single_process):
+    results = [r["fsdp2 4->2"] for r in runs["third"]]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert _worst(results[0], single_process) <= TOL
+
+
+@pytest.mark.parametrize("name", ["fsdp2-2", "ddp-2", "fsdp2-4"])
+def test_resume_in_one_process(runs, single_process, name):
+    """A distributed checkpoint resumed by a plain model in a process without torch.distributed."""
+    model = _model()
+    opt = _optimizer(model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _load(model, opt, runs["tmp"] / "ckpt" / name)
+        X, Y = _data()
+        _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    finally:
+        torch.set_num_threads(before)
+    assert _worst([p.detach() for p in model.parameters()], single_process) <= TOL
+
+
+def test_the_layouts_are_what_they_say(runs):
+    second = runs["second"][0]
+    assert second["hsdp placements"] == "(Replicate(), Shard(dim=0))"
+    assert second["Shard(1) placements"] == "(Shard(dim=1),)"
+    assert second["tp placements"][0] == "(Shard(dim=0),)" and second["tp placements"][2] == "(Shard(dim=1),)"
+
+
+# ----------------------------------------------------------------- checkpoints that do not fit
+def _saved_in_one_process(path: Path, **group_options) -> None:
+    from fismo_core.backends.torch import FISMO, param_groups
+
+    model = _model()
+    matrices, vectors = param_groups(model, head=None, adamw_options={"lr": 1e-2})
+    opt = FISMO([{**matrices, **group_options}, vectors], lr=0.05)
+    X, Y = _data()
+    _train(model, opt, X, Y, range(2))
+    _save(model, opt, path)
+
+
+def _fresh(**group_options):
+    from fismo_core.backends.torch import FISMO, param_groups
+
+    model = _model()
+    matrices, vectors = param_groups(model, head=None, adamw_options={"lr": 1e-2})
+    return model, FISMO([{**matrices, **group_options}, vectors], lr=0.05)
+
+
+def test_a_checkpoint_with_other_block_shapes_is_refused_by_dcp(tmp_path):
+    """block_size=8 splits the (16, 12) matrix's P into 2 blocks; a full-factor optimizer's P is (16, 16)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _saved_in_one_process(tmp_path / "ckpt", block_size=8)
+    model, opt = _fresh()
+    with pytest.raises(CheckpointException, match=r"Size mismatch .*optim\.state\.0\.weight\.P"):
+        _load(model, opt, tmp_path / "ckpt")
+
+
+def test_a_checkpoint_with_another_block_size_of_the_same_shapes_is_refused(tmp_path):
+    """block_size=16 leaves every side of this model whole, so the shapes fit; the group's block_size does not."""
+    _saved_in_one_process(tmp_path / "ckpt", block_size=16)
+    model, opt = _fresh()
+    with pytest.raises(ValueError, match=r"block_size=None.*block_size=16"):
+        _load(model, opt, tmp_path / "ckpt")
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_dcp(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _saved_in_one_process(tmp_path / "ckpt")
+    from fismo_core.backends.torch import FISMO, param_groups
+
+    other = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh(), torch.nn.Linear(20, 1)).double()
+    opt = FISMO(param_groups(other, head=None), lr=0.05)
+    with pytest.raises(CheckpointException, match="Size mismatch"):
+        _load(other, opt, tmp_path / "ckpt")
