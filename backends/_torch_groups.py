@@ -110,9 +110,12 @@ def make_core(key: tuple) -> _CoreFISMO:
     the group's current lr, which schedulers may set to 0, a value the core's
     constructor rejects); they stay at the core's defaults.
 
-    Non-finite gradients are handled by the adapter before the core is
-    called (so that errors name the parameter), so the core runs with
-    ``nonfinite="propagate"``; its inverse-root checks follow the group's
+    Non-finite gradients are checked by the adapter (so that errors name the
+    parameter); under ``"raise"`` the core flags them too (and computes such a
+    matrix with ``G = 0``, so nothing non-finite reaches the roots), its flags
+    read with the adapter's in the step's one host read
+    (`FISMO.direction_with_faults`); otherwise it runs with
+    ``nonfinite="propagate"``. Its inverse-root checks follow the group's
     ``nonfinite`` policy by the core's rule (`fismo_core.guards.checks_roots`),
     unless ``inv_root`` sets ``fallback``.
     """
@@ -127,7 +130,8 @@ def make_core(key: tuple) -> _CoreFISMO:
         inv_root=inv_root,
         nesterov=nesterov,
         statistics=statistics,
-        nonfinite="propagate",
+        # "raise": a non-finite G is flagged (and computed as 0) for the step's one read; the adapter raises.
+        nonfinite="raise" if nonfinite == "raise" else "propagate",
         block_size=block_size,
     )
 

@@ -18,7 +18,7 @@ Every check raises before any parameter or state is touched.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -232,10 +232,28 @@ def _agree_across_shards(checks: list) -> list:
 
 
 
-def check_grads(param_groups: list) -> set:
+class GradientChecks(NamedTuple):
+    """What `check_grads` found: the parameters to skip now, and the flags whose read is deferred."""
+
+    skip: set
+    """Ids of the parameters (of both algorithms) that do not step (``nonfinite="skip"``)."""
+    pending: list
+    """``(group index, param index, p, finite)`` of the ``nonfinite="raise"`` parameters, ``finite`` an int32
+    0-d tensor not read yet: the step reads it with every core call's fault flags (`raise_nonfinite` after)."""
+
+    def faults(self) -> list[torch.Tensor]:
+        """The pending flags as booleans set where a gradient or a parameter is not finite."""
+        return [finite == 0 for *_, finite in self.pending]
+
+
+def check_grads(param_groups: list) -> GradientChecks:
     """Every gradient is checked before any parameter or state changes.
 
-    Returns the ids of the parameters (of both algorithms) to skip this step (``nonfinite="skip"``).
+    Layout, dtype and shape are checked here; NaN and infinity per the groups'
+    ``nonfinite`` policy. ``"skip"`` groups' flags are read here (the
+    parameters to skip must be known before the step); ``"raise"`` groups'
+    flags are returned unread, so the step reads them together with the
+    core's fault flags in one host read (`GradientChecks.pending`).
     """
     for gi, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
@@ -255,14 +273,23 @@ def check_grads(param_groups: list) -> set:
                     raise TypeError(f"{name} has a non-floating gradient ({g.dtype})")
                 if tuple(g.shape) != tuple(p.shape):
                     raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}")
-    return _check_finite_grads(param_groups)
+    checks = _finiteness_flags(param_groups)
+    policy = [param_groups[gi].get("nonfinite", CORE_DEFAULTS.nonfinite) for gi, *_ in checks]
+    skipping = [c for c, rule in zip(checks, policy) if rule == "skip"]
+    raising = [c for c, rule in zip(checks, policy) if rule == "raise"]
+    return GradientChecks(_decide(param_groups, skipping) if skipping else set(), raising)
 
 
-def _check_finite_grads(param_groups: list) -> set:
-    """NaN and infinity in the gradients of every group, per its ``nonfinite`` policy: raise, or the set to skip.
+def raise_nonfinite(param_groups: list, checks: GradientChecks) -> None:
+    """After a step's read found a fault: the ``ValueError`` of the first non-finite gradient or parameter, if any."""
+    if checks.pending:
+        _decide(param_groups, checks.pending)
 
-    One host read per step (the flags of all parameters stacked); a
-    sharded (FSDP2) gradient's flag is reduced over its mesh first, so
+
+def _finiteness_flags(param_groups: list) -> list:
+    """``(group index, param index, p, finite)`` of every parameter under ``"raise"`` or ``"skip"``, not read.
+
+    A sharded (FSDP2) gradient's flag is reduced over its shard group, so
     every rank takes the same decision.
     """
     checks: list[tuple[int, int, Any, torch.Tensor]] = []  # (group index, param index, p, flag)
@@ -277,9 +304,11 @@ def _check_finite_grads(param_groups: list) -> set:
             if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "raise":  # damaged parameters too, same host read
                 finite = finite & torch.isfinite(p.to_local() if is_dtensor(p) else p).all()
             checks.append((gi, i, p, finite.to(torch.int32)))
-    if not checks:
-        return set()
-    checks = _agree_across_shards(checks)
+    return _agree_across_shards(checks) if checks else checks
+
+
+def _decide(param_groups: list, checks: list) -> set:
+    """Read ``checks``' flags (one host read per device): raise for a non-finite one under ``"raise"``, or the set to skip."""
     by_device: dict[torch.device, list[int]] = {}
     for k, (*_, flag) in enumerate(checks):
         by_device.setdefault(flag.device, []).append(k)

@@ -23,14 +23,16 @@ broadcast). See ``docs/torch.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch.optim.optimizer import Optimizer
 
+from fismo_core import guards as _guards
 from fismo_core.guards import foreign_keywords
 from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
@@ -49,13 +51,13 @@ from ._torch_groups import (
     param_groups,
     param_name,
     route_group,
-    scalar,
     validate_fismo_hparams,
 )
 from ._torch_state import (
     COUNTER_KEYS,
     STATE_KEYS,
     check_grads,
+    raise_nonfinite,
     check_saved_state,
     init_matrix_state,
     pack,
@@ -248,13 +250,23 @@ class FISMO(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        skip = check_grads(self.param_groups)
+        checks = check_grads(self.param_groups)
         placements = self._placements()
+        # Lines 4-8 of every FISMO group, nothing written yet: gather, and compute on the owners.
+        plans = {
+            id(group): self._fismo_compute(group, placements, checks.skip)
+            for group in self.param_groups
+            if group["algorithm"] == "fismo"
+        }
+        # The step's one host read: every gradient's finiteness ("raise") and every core call's root checks.
+        calls = [call for plan in plans.values() for call in plan.calls]
+        if _guards.read_faults(*checks.faults(), *(call.result.faults for call in calls)):
+            self._settle(checks, plans)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
-                adamw_group_step(self.state, group, skip)
+                adamw_group_step(self.state, group, checks.skip)
             else:
-                self._fismo_group_step(group, placements, skip)
+                self._fismo_apply(plans[id(group)])
         return loss
 
     # ------------------------------------------------------------------ FISMO
@@ -276,84 +288,105 @@ class FISMO(Optimizer):
         )
         return _dist.placements(fismo_params, self.process_group, _direction_cost)
 
-    def _fismo_group_step(self, group: dict, placements: dict, skip: Union[set, frozenset] = frozenset()) -> None:
-        """Lines 4-9 for one group, in the placements' three phases: gather, compute on the owners, apply."""
+    def _fismo_compute(self, group: dict, placements: dict, skip: Union[set, frozenset]) -> "_GroupStep":
+        """Lines 4-8 for one group, nothing written: gather the gradients to their owners, and the owners' core calls."""
         core = self._core_for(group)
-        lr = scalar(group["lr"])
-        stepping = []
+        plan = _GroupStep(group, core)
         for p in group["params"]:
             if p.grad is None:
                 continue
-            placement = placements[p]
-            if id(p) in skip:  # nonfinite="skip": p does not step; the rank keeping its state counts it
-                if placement.owns:
-                    dev = _dist.local_device(p)
-                    self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=dev))["skipped"] += 1
-                else:
-                    self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+            if id(p) in skip:  # nonfinite="skip": p does not step (its skip is counted in _fismo_apply)
+                plan.skipped.append((p, placements[p]))
                 continue
-            stepping.append((p, placement))
-
-        buckets: dict = {}  # matrices whose collectives travel together, by their placements' exchange key
-        for p, placement in stepping:
-            buckets.setdefault(placement.exchange_key(p), []).append((p, placement))
+            plan.stepping.append((p, placements[p]))
+        for p, placement in plan.stepping:  # matrices whose collectives travel together
+            plan.exchanges.setdefault(placement.exchange_key(p), []).append((p, placement))
 
         # 1. Gather: the full gradient of each matrix reaches its owner.
-        gathers = [bucket[0][1].start_gather(bucket) for bucket in buckets.values()]
+        gathers = [bucket[0][1].start_gather(bucket) for bucket in plan.exchanges.values()]
         mine = []
         for work, finish in gathers:
             if work is not None:
                 work.wait()
             mine.extend(finish().items())
 
-        # 2. Compute: the owners' directions, same-shape matrices in one batched core call.
-        directions = self._directions(core, mine)
-        for p, placement in stepping:  # every rank counts the steps of every matrix (checkpoints need it)
-            if not placement.owns:
-                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-                self.state[p]["step"] += 1
-
-        # 3. Apply: line 9, W <- (1 - lr * weight_decay) W - lr' * dW, on each rank's data, then synchronise.
-        updates = {}
-        for p, _ in stepping:
-            step_lr = adjusted_lr(lr, group["adjust_lr_fn"], *_fismo.matrix_shape(p.shape))
-            updates[p] = functools.partial(_apply, lr=lr, step_lr=step_lr, weight_decay=group["weight_decay"])
-        applies = [bucket[0][1].start_apply(bucket, directions, updates) for bucket in buckets.values()]
-        for work, finish in applies:
-            if work is not None:
-                work.wait()
-            finish()
-
-    def _directions(self, core: _CoreFISMO, mine: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-        """``dW`` (shape ``(m, n)``, state dtype) of every owned matrix: one core call per bucket."""
+        # 2. Compute: the owners' directions, same-shape matrices in one batched core call, flags unread.
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p, grad in mine:
             m, n = _fismo.matrix_shape(p.shape)
             G = grad.reshape(m, n)
             # InverseRootConfig.every: whether this parameter's roots are due, from its own step count.
-            refresh = core.inv_root.is_refresh_step(int(self.state[p].get("step", 0)))
+            # With every == 1 (the default) they always are: no read of the step count.
+            every = core.inv_root.every
+            refresh = True if every == 1 else core.inv_root.is_refresh_step(int(self.state[p].get("step", 0)))
             buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
-        directions = {}
-        results = []
         for (m, n, *_, refresh), bucket in buckets.items():
+            plan.created.extend(p for p, _ in bucket if not self.state.get(p))
             states = [self._matrix_state(core, p, G) for p, G in bucket]
             G_stack = bucket[0][1][None] if len(bucket) == 1 else torch.stack([G for _, G in bucket])
             stacked = pack(core, states, m, n)
             # Algorithm 1, lines 4-8, for the whole bucket. The core's step count is
             # not used by the algorithm; each parameter keeps its own in state["step"].
-            try:
-                D, new = core.direction(G_stack, stacked, refresh_roots=refresh)
-            except InverseRootError as exc:
-                names = ", ".join(self._label(bucket[i][0]) for i in exc.indices)
-                raise InverseRootError(f"{exc}. The failing parameters: {names}", exc.indices) from exc
-            results.append((bucket, states, stacked, D, new, m, n))
-        # Every core call has succeeded before any state is written: an error above changes nothing.
-        for bucket, states, stacked, D, new, m, n in results:
-            unpack(core, states, stacked, new, m, n)
-            for i, ((p, _), state) in enumerate(zip(bucket, states)):
+            result = core.direction_with_faults(G_stack, stacked, refresh_roots=refresh)
+            plan.calls.append(_CoreCall([p for p, _ in bucket], states, G_stack, stacked, refresh, result))
+        return plan
+
+    def _settle(self, checks: Any, plans: dict) -> None:
+        """A flag was set: raise for a non-finite gradient, or repair (or refuse) failed inverse roots.
+
+        Nothing has been written yet, so an error leaves every parameter and state as it was (the states
+        this step created are removed again).
+        """
+        try:
+            raise_nonfinite(self.param_groups, checks)
+            for plan in plans.values():
+                for k, call in enumerate(plan.calls):
+                    if call.result.faults.roots is None:
+                        continue
+                    try:
+                        D, new = plan.core.settle(call.G, call.stacked, call.result, refresh_roots=call.refresh)
+                    except InverseRootError as exc:
+                        names = ", ".join(self._label(call.params[i]) for i in exc.indices)
+                        raise InverseRootError(f"{exc}. The failing parameters: {names}", exc.indices) from exc
+                    plan.calls[k] = call._replace(result=call.result._replace(direction=D, state=new))
+        except Exception:
+            for plan in plans.values():
+                for p in plan.created:
+                    self.state.pop(p, None)
+            raise
+
+    def _fismo_apply(self, plan: "_GroupStep") -> None:
+        """Write the group's new states, then line 9 on each rank's data and the placements' synchronisation."""
+        core, group = plan.core, plan.group
+        for p, placement in plan.skipped:  # the rank keeping the state counts the skip
+            if placement.owns:
+                dev = _dist.local_device(p)
+                self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=dev))["skipped"] += 1
+            else:
+                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+        directions = {}
+        for call in plan.calls:
+            m, n = call.G.shape[-2:]
+            unpack(core, call.states, call.stacked, call.result.state, m, n)
+            for i, (p, state) in enumerate(zip(call.params, call.states)):
                 state["step"] += 1
-                directions[p] = D[i]
-        return directions
+                directions[p] = call.result.direction[i]
+        for p, placement in plan.stepping:  # every rank counts the steps of every matrix (checkpoints need it)
+            if not placement.owns:
+                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                self.state[p]["step"] += 1
+
+        # 3. Apply: line 9, W <- (1 - lr * weight_decay) W - lr' * dW, on each rank's data, then synchronise.
+        lr = group["lr"]  # a float, or a one-element tensor (kept a tensor: schedulers may change it under torch.compile)
+        updates = {}
+        for p, _ in plan.stepping:
+            step_lr = adjusted_lr(lr, group["adjust_lr_fn"], *_fismo.matrix_shape(p.shape))
+            updates[p] = functools.partial(_apply, lr=lr, step_lr=step_lr, weight_decay=group["weight_decay"])
+        applies = [bucket[0][1].start_apply(bucket, directions, updates) for bucket in plan.exchanges.values()]
+        for work, finish in applies:
+            if work is not None:
+                work.wait()
+            finish()
 
     def _label(self, p: torch.Tensor) -> str:
         """How error messages name parameter ``p``."""
@@ -369,6 +402,30 @@ class FISMO(Optimizer):
         return init_matrix_state(core, state, G, p.dtype, name="W" if state else self._label(p))
 
 
+class _CoreCall(NamedTuple):
+    """One batched core call of a step: its matrices, their states (per parameter and stacked), ``G`` and result."""
+
+    params: list
+    states: list
+    G: torch.Tensor
+    stacked: Any
+    refresh: bool
+    result: Any  # fismo_core.StepResult: direction, new state, fault flags (unread)
+
+
+@dataclasses.dataclass
+class _GroupStep:
+    """A FISMO group's step between computing and writing: what `FISMO._fismo_apply` writes."""
+
+    group: dict
+    core: _CoreFISMO
+    stepping: list = dataclasses.field(default_factory=list)  # (p, placement) that step
+    skipped: list = dataclasses.field(default_factory=list)  # (p, placement) skipped (nonfinite="skip")
+    exchanges: dict = dataclasses.field(default_factory=dict)  # exchange key -> [(p, placement)]
+    calls: list = dataclasses.field(default_factory=list)  # _CoreCall of the matrices this rank owns
+    created: list = dataclasses.field(default_factory=list)  # parameters whose state this step created
+
+
 def _direction_cost(p: torch.Tensor, block_size: Optional[int]) -> float:
     """The cost model of owner assignment: ``d^3`` per full side, ``k B^3 + r^3`` per blocked one, plus the polar factor."""
     m, n = _fismo.matrix_shape(p.shape)
@@ -380,16 +437,21 @@ def _direction_cost(p: torch.Tensor, block_size: Optional[int]) -> float:
 
 
 # ---------------------------------------------------------------- line 9
-def _apply(p: torch.Tensor, direction: torch.Tensor, lr: float, step_lr: float, weight_decay: float) -> None:
+def _apply(p: torch.Tensor, direction: torch.Tensor, lr: Union[float, torch.Tensor], step_lr: Union[float, torch.Tensor],
+           weight_decay: float) -> None:
     """Line 9 in place by the core's rule, `line_9_factors`: ``p <- (1 - decay) p - rate dW``.
 
     ``decay = lr * weight_decay`` with the group's unadjusted lr, ``rate = step_lr``. ``dW`` stays in the
-    state's precision until this one rounding to ``p``'s dtype (``add_`` with ``alpha``, as ``torch.optim.Muon``).
+    state's precision until this one rounding to ``p``'s dtype (``add_`` with ``alpha``, as ``torch.optim.Muon``;
+    with a tensor lr, ``sub_`` of ``dW * rate``).
     """
     decay, rate = _fismo.line_9_factors(lr, weight_decay, step_lr)
-    if decay:
+    if weight_decay:
         p.mul_(1 - decay)
-    p.add_(direction.reshape(p.shape), alpha=-rate)
+    if isinstance(rate, torch.Tensor):  # a tensor lr stays on the device: no host read, no recompile when it changes
+        p.sub_(direction.reshape(p.shape) * rate.to(direction.dtype))
+    else:
+        p.add_(direction.reshape(p.shape), alpha=-rate)
 
 
 # ---------------------------------------------------------------- checkpoints

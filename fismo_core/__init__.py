@@ -26,6 +26,7 @@ from .optimizer import (
     InverseRootWarning,
     PolarConfig,
     StepLines,
+    StepResult,
     state_dtype,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "InverseRootWarning",
     "PolarConfig",
     "StepLines",
+    "StepResult",
     "__version__",
     "guards",
     "kronecker",

@@ -5,7 +5,8 @@ input: argument checks, the non-finite gradient policies (``raise``,
 ``skip``, ``propagate``), the overflow-safe scaling of the statistics (and
 the ``scale_invariant`` variant), and the fault handling of the inverse
 roots (check, float64 retry, fallback to the previous factor, counters).
-See the documentation page "Guarantees".
+The roots' fault flags stay arrays (`StepFaults`) until one host read
+(`read_faults`). See the documentation page "Guarantees".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any, Optional, TypeVar
+from typing import Any, NamedTuple, Optional, TypeVar
 
 from array_api_compat import array_namespace, device
 
@@ -26,7 +27,7 @@ from . import linalg
 from .kronecker import BlockDiagonalFactor, Structure, factor_structure, state_size
 from .linalg import Array
 
-__all__ = ["FactorSizeWarning", "InverseRootError", "InverseRootWarning"]
+__all__ = ["FactorSizeWarning", "InverseRootError", "InverseRootWarning", "StepFaults", "read_faults"]
 
 
 class InverseRootWarning(RuntimeWarning):
@@ -344,6 +345,57 @@ def restore_skipped(xp: Any, skip: Array, direction: Array, state: Any, new: Any
     )
 
 
+# ------------------------------------------------------------------ deferred faults
+class StepFaults(NamedTuple):
+    """The fault flags of one step, kept on the device until the one host read of `read_faults`.
+
+    Each field is ``None`` when nothing was checked, or a boolean array of
+    the batch shape (``()`` for a single matrix), ``True`` for a matrix
+    with a fault. Returned by
+    [`FISMO.direction_with_faults`][fismo_core.FISMO.direction_with_faults]
+    in its `StepResult`; [`FISMO.settle`][fismo_core.FISMO.settle] acts on them.
+    """
+
+    nonfinite: Optional[Array] = None
+    """``nonfinite="raise"`` only: the matrix's ``G_t`` has a NaN or an infinity (it was computed with ``G_t = 0``)."""
+    roots: Optional[Array] = None
+    """The first attempt at ``P_t^{-1/2}`` or ``Q_t^{-1/2}`` failed its check (`checked_inverse_sqrt`):
+    the step must be taken again with the fault handling of `InverseRootConfig`. ``None`` when the roots
+    are not checked (`checks_roots`) or not recomputed at this step (``every``)."""
+
+
+def read_faults(*flags: Any) -> Optional[bool]:
+    """The one host read of a step: whether any of ``flags`` is set.
+
+    ``flags`` are boolean arrays, `StepFaults` (their fields) or ``None``
+    (skipped), from any number of core calls, so that an adapter reads its
+    own flags (gradients, parameters) and every bucket's in one go. They
+    are flattened and reduced on the device and one boolean is read back
+    per device they live on (one in all for an optimizer on one device).
+    Returns ``False`` without any read when no flag is given, and ``None``
+    when the flags are traced (``jax.jit``), where nothing can be read.
+    """
+    arrays: list[Array] = []
+    for flag in flags:
+        if isinstance(flag, StepFaults):
+            arrays.extend(f for f in flag if f is not None)
+        elif flag is not None:
+            arrays.append(flag)
+    groups: dict[tuple[int, str], list[Array]] = {}
+    for flag in arrays:
+        xp = array_namespace(flag)
+        groups.setdefault((id(xp), str(device(flag))), []).append(xp.reshape(flag, (-1,)))
+    found = False
+    for group in groups.values():
+        xp = array_namespace(*group)
+        any_set = xp.any(group[0] if len(group) == 1 else xp.concat(group))
+        try:
+            found = bool(any_set) or found
+        except TypeError:  # traced (jax.errors.ConcretizationTypeError): nothing can be read
+            return None
+    return found
+
+
 # ------------------------------------------------------------------ inverse roots
 def checks_roots(config: Any, nonfinite: str) -> bool:
     """Whether inverse roots are checked: ``config.fallback``, or by default unless ``nonfinite="propagate"``."""
@@ -390,6 +442,32 @@ def _as_float64(xp: Any, A: Array) -> Optional[Array]:
     return A64 if A64.dtype == xp.float64 else None
 
 
+def checked_inverse_sqrt(
+    xp: Any, structure: Structure, config: Any, nonfinite: str, A: Any, batch_ndim: int
+) -> tuple[Any, Optional[Array]]:
+    """``(A_t^{-1/2}, failed)`` for ``A_t = P_t`` (or ``Q_t``) without any host read: the root and its check.
+
+    ``failed`` is ``None`` when roots are not checked (`checks_roots`), else
+    a boolean array of the batch shape: the root of that matrix did not pass
+    the check of `InverseRootConfig` (a ``LinAlgError``, a residual
+    ``||Z A Z - I||_F`` above the tolerance, or not finite). Where nothing
+    failed, the root is the one `guarded_inverse_sqrt` returns, bit for bit;
+    where something did, that function's repair (float64 retry, fallback,
+    warning) needs host reads and is left to the caller
+    ([`FISMO.settle`][fismo_core.FISMO.settle]).
+    """
+    if not checks_roots(config, nonfinite):
+        return structure.inverse_sqrt(A, config), None
+    roots, ok = _first_attempt(xp, structure, config, structure.parts(A), batch_ndim)
+    return structure.from_parts(tuple(roots)), ~ok
+
+
+def _first_attempt(xp: Any, structure: Structure, config: Any, parts: Any, batch_ndim: int) -> tuple[list, Array]:
+    """The roots of a factor's parts by ``config`` and, per matrix of the batch, whether they pass its check."""
+    checked = [_checked_root(xp, config, part, config.tolerance) for part in parts]
+    return [Z for Z, _ in checked], _matrix_ok(xp, [r for _, r in checked], batch_ndim, config.tolerance)
+
+
 def guarded_inverse_sqrt(
     xp: Any, structure: Structure, config: Any, nonfinite: str, A: Any, A_prev: Any, root_prev: Any, name: str,
     batch_ndim: int, exact: Any,
@@ -406,9 +484,7 @@ def guarded_inverse_sqrt(
     if not checks_roots(config, nonfinite):
         return A, structure.inverse_sqrt(A, config), None
     parts = structure.parts(A)
-    checked = [_checked_root(xp, config, part, config.tolerance) for part in parts]
-    ok = _matrix_ok(xp, [r for _, r in checked], batch_ndim, config.tolerance)
-    roots = [Z for Z, _ in checked]
+    roots, ok = _first_attempt(xp, structure, config, parts, batch_ndim)
     try:
         if bool(xp.all(ok)):
             return A, structure.from_parts(tuple(roots)), False
@@ -472,6 +548,27 @@ def _matrix_ok(xp: Any, residuals: list[Array], batch_ndim: int, tolerance: floa
     for s in squares[1:]:
         total = total + s
     return xp.sqrt(total) <= tolerance
+
+
+def either_failed(P_failed: Optional[Array], Q_failed: Optional[Array]) -> Optional[Array]:
+    """Per matrix, whether the root of ``P_t`` or ``Q_t`` failed (`checked_inverse_sqrt`'s flags); ``None``: unchecked."""
+    if P_failed is None or Q_failed is None:
+        return P_failed if Q_failed is None else Q_failed
+    return P_failed | Q_failed
+
+
+def counted_root_failures(xp: Any, state: Any, failed: Optional[Array]) -> Any:
+    """The new ``root_failures`` counters from `either_failed`'s flags, without a host read.
+
+    Unchecked (``None``): passed through. Otherwise 0 for a matrix whose
+    roots passed, as `root_failure_counts` gives, and the previous count + 1
+    for one that failed (whose step [`FISMO.settle`][fismo_core.FISMO.settle]
+    then takes again with the fault handling, which counts it there).
+    """
+    if failed is None:
+        return state.root_failures
+    previous = counter(xp, state.root_failures, tuple(state.M.shape[:-2]), device(state.M))
+    return xp.where(failed, previous + 1, xp.zeros_like(previous))
 
 
 def root_failure_counts(

@@ -167,7 +167,9 @@ def _pow2_scale(X: Array) -> Array:
     """
     xp = array_namespace(X)
     amax = xp.max(xp.abs(X), axis=(-2, -1), keepdims=True)
-    return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, 1.0)))
+    # ones_like, not the Python scalar 1.0: array-api-compat's torch maximum promotes a scalar through
+    # torch.result_type, which torch.compile cannot trace (a graph break); the values are the same.
+    return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.ones_like(amax))))
 
 
 def _check_same_namespace_and_device(*arrays: Array) -> Any:

@@ -8,10 +8,15 @@ gradients intact. Every array may carry leading batch dimensions
 
 Line numbers below are those of Algorithm 1 in ``fismo-paper.tex``. The
 algorithm itself is `FISMO._algorithm_1`, lines 4–8 in the paper's order
-and symbols; the Kronecker factors are objects of `fismo_core.kronecker`
+and symbols, as phases that hand each other their data: lines 4–5 return
+the `Preconditioners` (``P_t``, ``Q_t``, their roots and the roots' fault
+flags), then line 6 whitens, line 7 updates the momentum and line 8 takes
+the polar factor. The Kronecker factors are objects of `fismo_core.kronecker`
 (full, or block-diagonal with ``block_size``), and everything that guards the
 step (argument checks, non-finite policies, overflow-safe scaling, root fault
-handling) is in `fismo_core.guards`.
+handling) is in `fismo_core.guards`, called around the algorithm by
+`FISMO._guarded_step`. Fault flags stay arrays until one host read
+(`FISMO.direction_with_faults`, `FISMO.settle`).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ __all__ = [
     "InverseRootError",
     "InverseRootWarning",
     "PolarConfig",
+    "Preconditioners",
     "StepLines",
+    "StepResult",
     "state_dtype",
 ]
 
@@ -118,8 +125,12 @@ class InverseRootConfig:
     resets it to 0. When a matrix fails on more than ``max_failures``
     consecutive steps, the step raises
     [`InverseRootError`][fismo_core.optimizer.InverseRootError] instead.
-    The checks read a few booleans back from the device per step; under
-    ``jax.jit`` nothing can be read and they are left out.
+    The flags of all the roots of a step are read back from the device in
+    one host read, after lines 4–8 ([`FISMO.settle`][fismo_core.FISMO.settle]);
+    the repair, when a flag is set, takes the step again.
+    [`FISMO.direction_with_faults`][fismo_core.FISMO.direction_with_faults]
+    leaves the read to the caller. Under ``jax.jit`` nothing can be read and
+    the checks are left out.
 
     Parameters
     ----------
@@ -623,41 +634,48 @@ class FISMO:
     # ------------------------------------------------------------- Algorithm 1
     def _algorithm_1(
         self, G: Array, scale: Any, inv_s2: Any, state: FISMOState, left: Structure, right: Structure,
-        roots: "_Roots",
-    ) -> tuple[Factor, Factor, Factor, Factor, Array, Array, Array]:
-        """Lines 4–8 of Algorithm 1 for ``G = G_t / scale``; returns ``P_t, Q_t``, their roots, ``G~_t / scale``, ``M_t``, ``dW_t``.
+        roots: "_InverseRoots",
+    ) -> "_Lines":
+        """Lines 4–8 of Algorithm 1 for ``G = G_t / scale``, in the paper's order and symbols.
 
-        ``left`` and ``right`` are the structures of ``P`` and ``Q``;
-        ``roots`` computes (or, between refreshes, keeps) an inverse root with
-        its fault handling. ``scale`` and ``inv_s2`` come from
+        Four phases, each a function of the data the previous one returns:
+        lines 4–5 give the `Preconditioners` (``P_t``, ``Q_t``, their roots
+        and the roots' fault flags), line 6 whitens, line 7 updates the
+        momentum, line 8 takes the polar factor and un-whitens. ``left`` and
+        ``right`` are the structures of ``P`` and ``Q``; ``roots`` takes an
+        inverse root (`_InverseRoots`). ``scale`` and ``inv_s2`` come from
         `fismo_core.guards.statistics_scale`: lines 4–5 are invariant to the
         scale of ``G``, lines 6–7 multiply it back.
         """
-        beta, gamma, mu = self.beta, self.gamma, self.mu
-        xp = array_namespace(G)
-        m, n = G.shape[-2], G.shape[-1]
-        P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
-        if gamma == 1.0:  # P~_t = P_{t-1}: lines 4-5 return P_{t-1}, Q_{t-1} and their roots unchanged
-            G_Q_is, P_is_G = None, left.left(P_is, G)
-        else:
-            # Line 4: L_t = G Q_{t-1}^{-1} G^T / n + mu tr(P_{t-1})/m I,  P~_t = gamma P_{t-1} + (1 - gamma) L_t,
-            #         P_t = sym(m P~_t / tr P~_t); the data term is the Gram matrix of G Q_{t-1}^{-1/2}.
-            G_Q_is = right.right(G, Q_is)
-            P, P_is = roots(left, left.update(P, G_Q_is, n, gamma, mu, inv_s2), P, P_is, "P")
-            # Line 5: R_t = G^T P_t^{-1} G / m + mu tr(Q_{t-1})/n I, likewise with (P_t^{-1/2} G)^T.
-            P_is_G = left.left(P_is, G)
-            Q, Q_is = roots(right, right.update(Q, xp.matrix_transpose(P_is_G), m, gamma, mu, inv_s2), Q, Q_is, "Q")
-        # Line 6: G~_t = P_t^{-1/2} G_t Q_t^{-1/2}, reusing line 5's P_t^{-1/2} G.
-        if G_Q_is is not None and not roots.refresh and m < n:
-            G_white = left.left(P_is, G_Q_is)  # cached roots: line 4's G Q^{-1/2} is it (m^2 n, not m n^2)
-        else:
-            G_white = right.right(P_is_G, Q_is)
+        beta = self.beta
+        pre = self._lines_4_5(G, inv_s2, state, left, right, roots)
+        G_white = _line_6(pre, left, right, roots.refresh)  # G~_t / scale
         # Line 7: M_t = beta M_{t-1} + (1 - beta) G~_t.
         M = beta * state.M + (1 - beta) * scale * G_white
         # Line 8: dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2} (Nesterov: Polar(beta M_t + (1 - beta) G~_t)).
         momentum = beta * M + (1 - beta) * scale * G_white if self.nesterov else M
-        direction = right.right(left.left(P_is, self.polar(momentum)), Q_is)
-        return P, Q, P_is, Q_is, G_white, M, direction
+        direction = right.right(left.left(pre.P_inv_sqrt, self.polar(momentum)), pre.Q_inv_sqrt)
+        return _Lines(pre, G_white, M, direction)
+
+    def _lines_4_5(
+        self, G: Array, inv_s2: Any, state: FISMOState, left: Structure, right: Structure, roots: "_InverseRoots"
+    ) -> "Preconditioners":
+        """Lines 4–5: ``P_t`` from ``Q_{t-1}``, then ``Q_t`` from the new ``P_t`` (Gauss–Seidel), and their roots."""
+        gamma, mu = self.gamma, self.mu
+        xp = array_namespace(G)
+        m, n = G.shape[-2], G.shape[-1]
+        P, Q, P_is, Q_is = state.P, state.Q, state.P_inv_sqrt, state.Q_inv_sqrt
+        if gamma == 1.0:  # P~_t = P_{t-1}: lines 4-5 return P_{t-1}, Q_{t-1} and their roots unchanged
+            return Preconditioners(P, Q, P_is, Q_is, None, None, None, left.left(P_is, G))
+        # Line 4: L_t = G Q_{t-1}^{-1} G^T / n + mu tr(P_{t-1})/m I,  P~_t = gamma P_{t-1} + (1 - gamma) L_t,
+        #         P_t = sym(m P~_t / tr P~_t); the data term is the Gram matrix of G Q_{t-1}^{-1/2}.
+        G_Q_is = right.right(G, Q_is)
+        P, P_is, P_failed = roots(left, left.update(P, G_Q_is, n, gamma, mu, inv_s2), P, P_is, "P")
+        # Line 5: R_t = G^T P_t^{-1} G / m + mu tr(Q_{t-1})/n I, likewise with (P_t^{-1/2} G)^T.
+        P_is_G = left.left(P_is, G)
+        Q_new = right.update(Q, xp.matrix_transpose(P_is_G), m, gamma, mu, inv_s2)
+        Q, Q_is, Q_failed = roots(right, Q_new, Q, Q_is, "Q")
+        return Preconditioners(P, Q, P_is, Q_is, P_failed, Q_failed, G_Q_is, P_is_G)
 
     # ------------------------------------------------------------- direction
     def direction(
@@ -675,43 +693,138 @@ class FISMO:
         recomputes the roots at this step, ``False`` keeps the cached ones.
         ``None`` (default) decides from ``state.step``, which must then be
         concrete unless ``every == 1``.
+
+        Host reads: with ``nonfinite="raise"`` one for the finiteness of
+        ``G``, and one for the checks of the roots when they are checked; none
+        under ``nonfinite="propagate"``. To read once per step for many calls,
+        use [`direction_with_faults`][fismo_core.FISMO.direction_with_faults].
         """
         xp = _check_call(G, state, self.block_size)
         if self.nonfinite == "raise":
             guards.check_finite(xp, G)
-        direction, new_state, _ = self._guarded_step(xp, G, state, refresh_roots)
-        return direction, new_state
+        refresh = self._refresh_roots(state, refresh_roots)
+        step = self._settle(xp, G, state, self._guarded_step(xp, G, state, refresh, repair=False), refresh)
+        return step.result.direction, step.result.state
+
+    def direction_with_faults(
+        self, G: Array, state: FISMOState, *, refresh_roots: Optional[bool] = None
+    ) -> "StepResult":
+        """Lines 4–8 as [`direction`][fismo_core.FISMO.direction] without any host read: direction, state, fault flags.
+
+        Returns a `StepResult` whose ``faults``
+        ([`StepFaults`][fismo_core.guards.StepFaults]) stay arrays on the
+        device: per matrix, whether an inverse root failed its check
+        (``roots``; ``None`` when the roots are not checked, as under
+        ``nonfinite="propagate"`` by default, or not recomputed at this
+        step) and, under ``nonfinite="raise"``, whether ``G`` has a NaN or an
+        infinity (``nonfinite``; such a matrix is computed with ``G = 0``
+        rather than refused, so nothing non-finite reaches the roots). Where
+        no flag is set, ``direction`` and ``state`` are those of `direction`,
+        bit for bit. Otherwise [`settle`][fismo_core.FISMO.settle] gives
+        `direction`'s answer: its ``ValueError``, or the step taken again
+        with the fault handling of `InverseRootConfig`.
+
+        This is the entry point for a caller that reads a whole step's flags
+        at once: the torch adapter reads its own (gradients, parameters) and
+        every bucket's in one [`read_faults`][fismo_core.guards.read_faults],
+        and calls `settle` only when that says a flag is set. With
+        ``nonfinite="propagate"`` there is nothing to read, and
+        ``torch.compile(fullgraph=True)`` traces it (and `direction`) as one
+        graph. ``refresh_roots`` is as in `direction`; pass it explicitly
+        when ``state.step`` is not a Python int.
+        """
+        xp = _check_call(G, state, self.block_size)
+        refresh = self._refresh_roots(state, refresh_roots)
+        return self._guarded_step(xp, G, state, refresh, repair=False, defer_nonfinite=True).result
+
+    def settle(
+        self, G: Array, state: FISMOState, result: "StepResult", *, refresh_roots: Optional[bool] = None
+    ) -> tuple[Array, FISMOState]:
+        """The host read [`direction_with_faults`][fismo_core.FISMO.direction_with_faults] leaves out, and what follows.
+
+        ``G``, ``state`` and ``refresh_roots`` are those of the call that
+        returned ``result``. Returns ``(dW_t, new state)`` exactly as
+        [`direction`][fismo_core.FISMO.direction] does, after one host read of
+        ``result.faults`` ([`read_faults`][fismo_core.guards.read_faults];
+        none when nothing was checked). No flag set: ``result``'s direction
+        and state as they are. A ``G`` with a NaN or an infinity under
+        ``nonfinite="raise"``: `direction`'s ``ValueError``. An inverse root
+        that failed its check: the step is taken again with the fault
+        handling of `InverseRootConfig` (float64 retry, fallback to
+        ``P_{t-1}``, [`InverseRootWarning`][fismo_core.optimizer.InverseRootWarning],
+        and [`InverseRootError`][fismo_core.optimizer.InverseRootError] with
+        its ``indices`` after ``max_failures``), whose reads and second
+        computation only a faulty step pays. Under ``jax.jit`` nothing can
+        be read: the answer is `direction`'s under ``jax.jit``, the step whose
+        checks step aside (the compiler drops ``result``'s computation).
+        """
+        xp = _check_call(G, state, self.block_size)
+        if not isinstance(result, StepResult):
+            raise TypeError(
+                f"result must be the StepResult of FISMO.direction_with_faults, got {type(result).__name__}"
+            )
+        refresh = self._refresh_roots(state, refresh_roots)
+        step = self._settle(xp, G, state, _Step(result, None, None), refresh)
+        return step.result.direction, step.result.state
 
     def _guarded_step(
-        self, xp: Any, G: Array, state: FISMOState, refresh_roots: Optional[bool]
-    ) -> tuple[Array, FISMOState, tuple[Array, Any]]:
-        """`_algorithm_1` inside the guards: statistics scale, non-finite policy, root faults, counters.
+        self, xp: Any, G: Array, state: FISMOState, refresh: bool, *, repair: bool, defer_nonfinite: bool = False
+    ) -> "_Step":
+        """`_algorithm_1` inside the guards: ``G``'s dtype and layout, non-finite policy, statistics scale, counters.
 
-        Returns ``dW_t``, the new state and ``(G~_t / scale, scale)``, which
-        only `step_lines` multiplies out.
+        ``repair=False``: no host read; a root that fails its check is only
+        flagged (``faults.roots``, `guards.checked_inverse_sqrt`).
+        ``repair=True``: the fault handling of `InverseRootConfig`
+        (`guards.guarded_inverse_sqrt`, `guards.root_failure_counts`), with
+        its host reads. ``defer_nonfinite``: under ``nonfinite="raise"`` a
+        matrix whose ``G`` has a NaN or an infinity is computed with
+        ``G = 0`` and flagged (``faults.nonfinite``), for the caller to read.
         """
-        refresh = self._refresh_roots(state, refresh_roots)
         # A copy in the standard layout: BLAS may round a product with a transposed or strided
         # operand differently, and the result must not depend on how G is laid out in memory.
         G = xp.reshape(xp.astype(G, state.M.dtype, copy=False), G.shape, copy=True)
+        skip = nonfinite = None
         if self.nonfinite == "skip":
             skip, G = guards.skip_mask(xp, G)
+        elif self.nonfinite == "raise" and defer_nonfinite:  # the same mask, read later instead of skipped
+            nonfinite, G = guards.skip_mask(xp, G)
         if self.gamma == 1.0:
             G_s, scale, inv_s2 = G, 1.0, 1.0
         else:
             G_s, scale, inv_s2 = guards.statistics_scale(xp, G, self.statistics)
         left, right = self.structures(G.shape[-2], G.shape[-1])
-        roots = _Roots(self, xp, refresh, G.ndim - 2)
-        P, Q, P_is, Q_is, G_white, M, direction = self._algorithm_1(G_s, scale, inv_s2, state, left, right, roots)
+        roots = _InverseRoots(self, xp, refresh, G.ndim - 2, repair)
+        lines = self._algorithm_1(G_s, scale, inv_s2, state, left, right, roots)
+        pre = lines.preconditioners
+        if repair:
+            root_failures = guards.root_failure_counts(xp, self.inv_root, state, pre.P_failed, pre.Q_failed)
+            faults = guards.StepFaults()
+        else:
+            failed = guards.either_failed(pre.P_failed, pre.Q_failed)
+            root_failures = guards.counted_root_failures(xp, state, failed)
+            faults = guards.StepFaults(nonfinite=nonfinite, roots=failed)
         new_state = FISMOState(
-            P=P, Q=Q, M=M, P_inv_sqrt=P_is, Q_inv_sqrt=Q_is, step=state.step + 1, skipped=state.skipped,
-            root_failures=guards.root_failure_counts(
-                xp, self.inv_root, state, roots.failed.get("P"), roots.failed.get("Q")
-            ),
+            P=pre.P, Q=pre.Q, M=lines.M, P_inv_sqrt=pre.P_inv_sqrt, Q_inv_sqrt=pre.Q_inv_sqrt,
+            step=state.step + 1, skipped=state.skipped, root_failures=root_failures,
         )
-        if self.nonfinite == "skip":
+        direction = lines.direction
+        if skip is not None:
             direction, new_state = guards.restore_skipped(xp, skip, direction, state, new_state, _ARRAY_FIELDS)
-        return direction, new_state, (G_white, scale)
+        return _Step(StepResult(direction, new_state, faults), lines, scale)
+
+    def _settle(self, xp: Any, G: Array, state: FISMOState, step: "_Step", refresh: bool) -> "_Step":
+        """`settle` for a step of `_guarded_step` (``repair=False``): the one host read, and what a fault calls for."""
+        faults = step.result.faults
+        found = guards.read_faults(faults)
+        if found is None:  # traced (jax.jit): nothing can be read, and the fault handling's checks step aside;
+            # its trace is the step to return (the first one, left unused, is dead code to the compiler).
+            return self._guarded_step(xp, G, state, refresh, repair=True)
+        if not found:
+            return step
+        if faults.nonfinite is not None:
+            guards.check_finite(xp, G)  # raises, saying what and how many, when G has a NaN or an infinity
+        # A root failed its check: this step again, with the fault handling of InverseRootConfig.
+        return self._guarded_step(xp, G, state, refresh, repair=True)
 
     def _refresh_roots(self, state: FISMOState, refresh_roots: Optional[bool]) -> bool:
         """Whether this step recomputes ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (`InverseRootConfig.every`)."""
@@ -763,7 +876,9 @@ class FISMO:
             )
         if self.nonfinite == "raise":
             guards.check_finite(xp, G, W=W)
-        direction, new_state, (G_white, scale) = self._guarded_step(xp, G, state, None)
+        refresh = self._refresh_roots(state, None)
+        step = self._settle(xp, G, state, self._guarded_step(xp, G, state, refresh, repair=False), refresh)
+        direction, new_state = step.result.direction, step.result.state
         W_new = line_9(W, direction, self.lr, self.weight_decay)  # line 9, with decoupled weight decay
         if self.nonfinite == "skip":  # a skipped matrix keeps W_{t-1} exactly: no weight decay either
             skipped_now = (new_state.skipped - state.skipped) > 0
@@ -771,25 +886,110 @@ class FISMO:
         if not lines:
             return W_new, new_state, None
         s = new_state
-        return W_new, new_state, StepLines(s.P, s.Q, s.P_inv_sqrt, s.Q_inv_sqrt, scale * G_white, s.M, direction, W_new)
-
-
-class _Roots:
-    """The inverse roots of one step: computed with fault handling when ``refresh``, else the cached ones kept."""
-
-    def __init__(self, optimizer: FISMO, xp: Any, refresh: bool, batch_ndim: int) -> None:
-        self.optimizer, self.xp, self.refresh, self.batch_ndim = optimizer, xp, refresh, batch_ndim
-        self.failed: dict[str, Any] = {}
-
-    def __call__(self, structure: Structure, A: Factor, A_prev: Factor, root_prev: Factor, name: str) -> tuple:
-        """``(A_t, A_t^{-1/2})``; a matrix whose root fails keeps ``A_prev`` and ``root_prev``."""
-        if not self.refresh:
-            return A, root_prev
-        opt = self.optimizer
-        A, root, self.failed[name] = guards.guarded_inverse_sqrt(
-            self.xp, structure, opt.inv_root, opt.nonfinite, A, A_prev, root_prev, name, self.batch_ndim, _EIGH
+        return W_new, new_state, StepLines(
+            s.P, s.Q, s.P_inv_sqrt, s.Q_inv_sqrt, step.scale * step.lines.G_white, s.M, direction, W_new
         )
-        return A, root
+
+
+class Preconditioners(NamedTuple):
+    """Lines 4–5 of one step, as `FISMO._algorithm_1` passes them on to lines 6–8.
+
+    Factors are as stored in the state (arrays, or
+    [`Blocks`][fismo_core.kronecker.Blocks] for a blocked side). A root
+    that fails shows in its flag only; what happens then is the guards'
+    business ([`FISMO.settle`][fismo_core.FISMO.settle]).
+    """
+
+    P: Factor
+    """Line 4: ``P_t`` (``P_{t-1}`` when ``gamma = 1``, or for a matrix whose root fell back)."""
+    Q: Factor
+    """Line 5: ``Q_t``."""
+    P_inv_sqrt: Factor
+    """``P_t^{-1/2}`` (the cached root on a step that does not recompute it, ``InverseRootConfig.every``)."""
+    Q_inv_sqrt: Factor
+    """``Q_t^{-1/2}``."""
+    P_failed: Optional[Array]
+    """Per matrix, whether ``P_t^{-1/2}`` failed its check; ``None`` when nothing was checked (or, after the
+    repair of `guards.guarded_inverse_sqrt`, ``False`` when every root passed)."""
+    Q_failed: Optional[Array]
+    """The same for ``Q_t^{-1/2}``."""
+    G_Q_inv_sqrt: Optional[Array]
+    """Line 4's data factor ``G Q_{t-1}^{-1/2}`` (``None`` when ``gamma = 1``); line 6 reuses it between refreshes."""
+    P_inv_sqrt_G: Array
+    """Line 5's data factor ``P_t^{-1/2} G``, which is also line 6's left half."""
+
+
+def _line_6(pre: Preconditioners, left: Structure, right: Structure, refresh: bool) -> Array:
+    """Line 6: ``G~_t = P_t^{-1/2} G_t Q_t^{-1/2}`` (over the scale of ``G``), from a product of lines 4–5.
+
+    Normally ``(P_t^{-1/2} G) Q_t^{-1/2}``, reusing line 5's ``P_t^{-1/2} G``.
+    Between refreshes of the roots a wide matrix (``m < n``) takes
+    ``P^{-1/2} (G Q^{-1/2})`` instead, reusing line 4's ``G Q^{-1/2}``
+    (``m^2 n`` operations, not ``m n^2``): the cached ``Q^{-1/2}`` is the one line 4 used.
+    """
+    if pre.G_Q_inv_sqrt is not None and not refresh and left.d < right.d:
+        return left.left(pre.P_inv_sqrt, pre.G_Q_inv_sqrt)
+    return right.right(pre.P_inv_sqrt_G, pre.Q_inv_sqrt)
+
+
+class _Lines(NamedTuple):
+    """What `FISMO._algorithm_1` returns: lines 4–5, then lines 6, 7 and 8."""
+
+    preconditioners: Preconditioners
+    G_white: Array  # line 6, G~_t / scale
+    M: Array  # line 7, M_t
+    direction: Array  # line 8, dW_t
+
+
+class StepResult(NamedTuple):
+    """Lines 4–8 of one step, its fault flags not yet read: what
+    [`FISMO.direction_with_faults`][fismo_core.FISMO.direction_with_faults] returns."""
+
+    direction: Array
+    """``dW_t`` (line 8), in the state's dtype."""
+    state: FISMOState
+    """The new state: valid as it is when no flag in ``faults`` is set; otherwise
+    [`FISMO.settle`][fismo_core.FISMO.settle] gives it."""
+    faults: guards.StepFaults
+    """Per matrix, boolean arrays on the device (no host read yet): [`StepFaults`][fismo_core.guards.StepFaults]."""
+
+
+class _Step(NamedTuple):
+    """A step of `FISMO._guarded_step`: its `StepResult`, and the phases' data with ``scale`` (`FISMO.step_lines`)."""
+
+    result: StepResult
+    lines: Optional[_Lines]
+    scale: Any
+
+
+class _InverseRoots(NamedTuple):
+    """How lines 4–5 take ``A_t^{-1/2}`` at one step; called as ``(A_t, A_t^{-1/2}, failed) = roots(...)``.
+
+    ``refresh=False`` keeps the cached root (``InverseRootConfig.every``).
+    Otherwise, with ``repair=False``, `guards.checked_inverse_sqrt`: no host
+    read, a root that fails its check is only flagged; with ``repair=True``,
+    `guards.guarded_inverse_sqrt`: float64 retry, fallback to ``A_{t-1}`` and
+    its root, warning (host reads). The flags are returned, never stored.
+    """
+
+    optimizer: FISMO
+    xp: Any
+    refresh: bool
+    batch_ndim: int
+    repair: bool
+
+    def __call__(
+        self, structure: Structure, A: Factor, A_prev: Factor, root_prev: Factor, name: str
+    ) -> tuple[Factor, Factor, Any]:
+        if not self.refresh:
+            return A, root_prev, None
+        config, nonfinite = self.optimizer.inv_root, self.optimizer.nonfinite
+        if self.repair:
+            return guards.guarded_inverse_sqrt(
+                self.xp, structure, config, nonfinite, A, A_prev, root_prev, name, self.batch_ndim, _EIGH
+            )
+        root, failed = guards.checked_inverse_sqrt(self.xp, structure, config, nonfinite, A, self.batch_ndim)
+        return A, root, failed
 
 
 _EIGH = InverseRootConfig(method="eigh")
