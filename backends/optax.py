@@ -27,6 +27,17 @@ Which leaves FISMO optimizes
 
 Each matrix leaf keeps its own :class:`fismo_core.FISMOState`. Everything is
 traceable: ``jax.jit(tx.update)`` compiles once and does not retrace.
+
+Sharded leaves
+--------------
+A leaf laid out by a ``NamedSharding`` over a mesh of several devices gets a
+state laid out by one rule (``_state_specs``; page "Backends", section
+"Sharding"): ``M`` like the parameter (in its matrix form), full factors and
+their roots replicated, on Explicit mesh axes the blocks of a block-diagonal
+factor split along the block axis as the parameter splits that side (where
+that divides evenly), the counters replicated. ``update`` keeps that layout
+and lays the directions out like the gradients, so a jitted step compiles
+once and the params keep their sharding.
 """
 
 from __future__ import annotations
@@ -42,9 +53,13 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"fismo_core.backends.optax needs JAX and optax: pip install jax optax ({exc})") from exc
 
+from jax.experimental.shard_alike import shard_alike
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 from fismo_core.guards import foreign_keywords
-from fismo_core.optimizer import FISMO, InverseRootConfig, InverseRootError, PolarConfig
+from fismo_core.kronecker import Blocks
+from fismo_core.optimizer import FISMO, FISMOState, InverseRootConfig, InverseRootError, PolarConfig
 
 __all__ = ["ScaleByFismoState", "default_matrix_shape", "fismo", "scale_by_fismo"]
 
@@ -85,13 +100,157 @@ class ScaleByFismoState(NamedTuple):
     states: Any
 
 
+def _matrix_dims(shape: tuple[int, ...], matrix_shape: MatrixShape) -> tuple[int, int]:
+    """The matrix ``(m, n)`` a leaf of ``shape`` is optimized as: itself if 2-D, else ``matrix_shape(shape)``."""
+    if len(shape) == 2:
+        return shape[0], shape[1]
+    m, n = matrix_shape(shape)
+    if m * n != math.prod(shape):
+        raise ValueError(f"matrix_shape{shape} returned ({m}, {n}), which does not have {math.prod(shape)} elements")
+    return m, n
+
+
 def _as_matrix(x: Any, matrix_shape: MatrixShape) -> Any:
     if x.ndim == 2:
         return x
-    m, n = matrix_shape(tuple(x.shape))
-    if m * n != math.prod(x.shape):
-        raise ValueError(f"matrix_shape{tuple(x.shape)} returned ({m}, {n}), which does not have {math.prod(x.shape)} elements")
-    return jnp.reshape(x, (m, n))
+    return jnp.reshape(x, _matrix_dims(tuple(x.shape), matrix_shape))
+
+
+# ------------------------------------------------------------------ sharding
+# A leaf on a mesh of several devices (a NamedSharding) keeps its FISMO state laid out by one rule,
+# `_state_specs`, documented on the page "Backends" (section "Sharding"). Placement happens inside a
+# trace (the caller's jax.jit or the adapter's own): on Auto mesh axes by sharding constraints, on
+# Explicit ones by jax.sharding.auto_axes around the core (whose matrix products and reshapes do not
+# type-check on explicitly sharded operands) with the layout as its out_sharding.
+
+
+def _mesh(x: Any) -> Optional[Any]:
+    """The (abstract) mesh ``x`` is laid out on if it spans more than one device, else ``None``.
+
+    Read from ``x``'s type, so it is known for a concrete array and under ``jax.jit`` alike.
+    """
+    mesh = jax.typeof(x).sharding.mesh
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+def _is_explicit(mesh: Any) -> bool:
+    """Whether ``mesh`` has Explicit axes (``jax.make_mesh``'s default in JAX 0.10), whose layout is in the types."""
+    return AxisType.Explicit in tuple(mesh.axis_types)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _factor_spec(structure: Any, mesh: Any, side_axes: Any) -> Union[PartitionSpec, Blocks]:
+    """The layout of one side's factor (``P``, ``Q`` or a root), part by part (the structure's ``parts``).
+
+    A single matrix (a full factor, or the remainder block ``(r, r)``):
+    replicated, since an inverse root needs all of it on one device. A stack
+    of blocks ``(k, B, B)`` that tiles the side exactly (``k B = d``): split
+    along the block axis as the parameter splits that side (``side_axes``:
+    the mesh axes of the rows for ``P``, of the columns for ``Q``) when that
+    split divides ``k``; each device then holds the blocks of the rows (or
+    columns) it holds, so the blocks' products with ``G`` and their roots stay
+    on it. Otherwise replicated.
+    """
+    shapes = structure.part_shapes()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+    def part_spec(shape: tuple[int, ...]) -> PartitionSpec:
+        if len(shape) == 3 and len(shapes) == 1 and side_axes is not None:
+            names = (side_axes,) if isinstance(side_axes, str) else tuple(side_axes)
+            if shape[0] % math.prod(sizes[name] for name in names) == 0:
+                return PartitionSpec(side_axes)
+        return PartitionSpec()
+
+    return structure.from_parts(tuple(part_spec(shape) for shape in shapes))
+
+
+def _merged_axes(entries: tuple[Any, ...], sizes: tuple[int, ...]) -> Any:
+    """The mesh axes of one dimension made by merging ``sizes`` row-major (a reshape).
+
+    The merged dimension is split like its leading dimension (of size > 1)
+    if no later one is split, and not split otherwise (its shards would not
+    be contiguous).
+    """
+    kept = [entry for entry, size in zip(entries, sizes) if size > 1]
+    if not kept or any(entry is not None for entry in kept[1:]):
+        return None
+    return kept[0]
+
+
+def _matrix_spec(spec: PartitionSpec, shape: tuple[int, ...], matrix_shape: MatrixShape) -> PartitionSpec:
+    """The layout of a leaf's matrix form ``(m, n)`` given the leaf's ``spec``: that of ``M``.
+
+    A matrix leaf: its own. A leaf of more dimensions whose rows are its
+    leading dimensions (``m = prod(shape[:k])``, as `default_matrix_shape`
+    and the Flax rule give): each side by `_merged_axes`. Any other
+    ``matrix_shape``: replicated.
+    """
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    if len(shape) == 2:
+        return PartitionSpec(*entries)
+    m, _ = _matrix_dims(shape, matrix_shape)
+    for k in range(1, len(shape)):
+        if math.prod(shape[:k]) == m:
+            return PartitionSpec(_merged_axes(entries[:k], shape[:k]), _merged_axes(entries[k:], shape[k:]))
+    return PartitionSpec()
+
+
+def _state_specs(core: FISMO, mesh: Any, m: int, n: int, M_spec: Optional[PartitionSpec]) -> FISMOState:
+    """The layout of a FISMO state of an ``m x n`` matrix on ``mesh`` (page "Backends", "Sharding").
+
+    ``M``: ``M_spec``, the parameter's layout in its matrix form
+    (`_matrix_spec`). ``P``, ``Q`` and their roots: `_factor_spec`, with the
+    mesh axes of ``M``'s rows and columns. ``step`` and the counters:
+    replicated. ``M_spec=None`` (Auto axes: the parameter's layout is not in
+    the types, so a traced step cannot read it): ``M`` is left to
+    `_place_state` and the blocks are replicated like the rest.
+    """
+    rows, cols = (None, None) if M_spec is None else (*tuple(M_spec), None, None)[:2]
+    left, right = core.structures(m, n)
+    P_spec, Q_spec = _factor_spec(left, mesh, rows), _factor_spec(right, mesh, cols)
+    replicated = PartitionSpec()
+    return FISMOState(
+        P=P_spec, Q=Q_spec, M=M_spec, P_inv_sqrt=P_spec, Q_inv_sqrt=Q_spec,
+        step=replicated, skipped=replicated, root_failures=replicated,
+    )
+
+
+def _shardings(mesh: Any, specs: Any) -> Any:
+    """``specs`` (a pytree of ``PartitionSpec``) as ``NamedSharding`` over ``mesh``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
+
+
+def _place_state(
+    state: FISMOState, mesh: Any, M_like: Any, M_spec: Optional[PartitionSpec] = None
+) -> FISMOState:
+    """``state`` laid out on ``mesh``'s Auto axes (traced), as `_state_specs` says for ``M_spec=None``.
+
+    The factors and the counters are constrained to be replicated. ``M``:
+    ``M_spec`` if given (an eager ``init`` reads the parameter's); otherwise
+    XLA lays it out like ``M_like`` (the parameter in ``init``, the incoming
+    ``M`` in ``update``), with ``shard_alike``.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    placed = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), state._replace(M=None))
+    if M_spec is not None:
+        M = jax.lax.with_sharding_constraint(state.M, NamedSharding(mesh, M_spec))
+    else:
+        M, _ = shard_alike(state.M, M_like)
+    return placed._replace(M=M)
+
+
+def _replicated(x: Any, like: Any) -> Any:
+    """``x`` replicated over the mesh of ``like`` (a leaf on a mesh); concrete or traced."""
+    if isinstance(x, jax.core.Tracer):
+        mesh = jax.typeof(like).sharding.mesh
+        sharding = NamedSharding(mesh, PartitionSpec())
+        if _is_explicit(mesh):
+            return jax.sharding.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, NamedSharding(like.sharding.mesh, PartitionSpec()))
 
 
 @foreign_keywords("fismo_core.backends.optax.scale_by_fismo", notes=_OPTAX_MUON_NOTES)
@@ -122,6 +281,11 @@ def scale_by_fismo(
     propagates (``optax.apply_if_finite`` skips such steps under ``jit``). A leaf whose factors
     would dwarf it gets a [`FactorSizeWarning`][fismo_core.guards.FactorSizeWarning]
     from ``init``.
+
+    Leaves laid out by a ``NamedSharding`` over several devices keep their
+    layout, and the state gets the one of the page "Backends" (section
+    "Sharding"): ``M`` like the leaf, the factors replicated or, on Explicit
+    mesh axes, their blocks split as the leaf splits that side.
 
     Examples
     --------
@@ -176,11 +340,56 @@ def scale_by_fismo(
             )
         return core.direction(G, s, refresh_roots=refresh)
 
+    def leaf_direction(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
+        """One leaf's direction (shaped and typed like ``g``) and new state."""
+        d, s = _direction(_as_matrix(g, matrix_shape), s)
+        return jnp.reshape(d, g.shape).astype(g.dtype), s
+
+    def init_on_mesh(p: Any, name: str, spec: Optional[PartitionSpec]) -> FISMOState:
+        """`FISMO.init` for a leaf on a mesh, laid out by `_state_specs`; ``spec`` is the leaf's if known."""
+        mesh = _mesh(p)
+
+        def build(p: Any) -> FISMOState:
+            # On a mesh the step count is an int32 array from the start, placed with the rest: a
+            # Python int would be placed by the first jitted step, and the second would compile again.
+            return core.init(_as_matrix(p, matrix_shape), name=name)._replace(step=jnp.zeros((), jnp.int32))
+
+        M_spec = None if spec is None else _matrix_spec(spec, tuple(p.shape), matrix_shape)
+        if _is_explicit(mesh):
+            m, n = _matrix_dims(tuple(p.shape), matrix_shape)
+            out = _shardings(mesh, _state_specs(core, mesh, m, n, M_spec))
+            return jax.sharding.auto_axes(build, out_sharding=out)(p)
+        return _place_state(build(p), mesh, M_like=_as_matrix(p, matrix_shape), M_spec=M_spec)
+
+    def update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
+        """`leaf_direction` for a leaf on a mesh: the direction laid out like ``g``, the state as it came in."""
+        mesh = _mesh(g)
+        if _is_explicit(mesh):
+            out = jax.tree.map(lambda x: NamedSharding(mesh, jax.typeof(x).sharding.spec), (g, s))
+            return jax.sharding.auto_axes(leaf_direction, out_sharding=out)(g, s)
+        d, s_new = leaf_direction(g, s)
+        return shard_alike(d, g)[0], _place_state(s_new, mesh, M_like=s.M)
+
+    # Compiled once per leaf shape and layout; inside the caller's jax.jit they are inlined. Eagerly the
+    # core cannot run on a mesh op by op: its factors and M live on different shardings, which it
+    # reads as different devices.
+    init_on_mesh = jax.jit(init_on_mesh, static_argnames=("name", "spec"), keep_unused=True)
+    update_on_mesh = jax.jit(update_on_mesh)
+
     def init_fn(params: Any) -> ScaleByFismoState:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         states = []
         for path, p in leaves:
             name = f"leaf {jax.tree_util.keystr(path)} (shape {tuple(p.shape)})"
+            mesh = _mesh(p)
+            if mesh is not None:
+                # The leaf's layout: in the type on Explicit axes; on Auto axes only a concrete array has it.
+                if _is_explicit(mesh):
+                    spec = jax.typeof(p).sharding.spec
+                else:
+                    spec = None if isinstance(p, jax.core.Tracer) else p.sharding.spec
+                states.append(init_on_mesh(p, name=name, spec=spec))
+                continue
             state = core.init(_as_matrix(p, matrix_shape), name=name)
             # With every > 1 the step count is an int32 array from the start: lax.cond makes it
             # one, and a Python int at step 0 would make jit trace a second time.
@@ -195,10 +404,10 @@ def scale_by_fismo(
         directions, new_states = [], []
         for (path, g), s in zip(leaves, states):
             try:
-                d, s = _direction(_as_matrix(g, matrix_shape), s)
+                d, s = update_on_mesh(g, s) if _mesh(g) is not None else leaf_direction(g, s)
             except InverseRootError as exc:
                 raise InverseRootError(f"leaf {jax.tree_util.keystr(path)}: {exc}", exc.indices) from exc
-            directions.append(jnp.reshape(d, g.shape).astype(g.dtype))
+            directions.append(d)
             new_states.append(s)
         return treedef.unflatten(directions), ScaleByFismoState(treedef.unflatten(new_states))
 
@@ -287,7 +496,10 @@ def fismo(
     Returns
     -------
     An ``optax.GradientTransformation`` whose updates are added to the params
-    (``optax.apply_updates``).
+    (``optax.apply_updates``). On params laid out by a ``NamedSharding`` over
+    several devices the updates keep the params' layout and ``init`` places
+    the whole state (the AdamW leaves' and the schedule's counts too; page
+    "Backends", section "Sharding").
     """
     if isinstance(non_matrix, str):
         if non_matrix == "adamw":
@@ -338,7 +550,27 @@ def fismo(
     ]
     matrix_tx.append(_line_9(learning_rate, weight_decay))
     transforms = {"fismo": optax.chain(*matrix_tx), "non_matrix": other if other is not None else optax.identity()}
-    return optax.partition(transforms, labels)
+    return _scalars_on_the_mesh(optax.partition(transforms, labels))
+
+
+def _scalars_on_the_mesh(tx: Any) -> Any:
+    """``tx`` whose ``init`` replicates every 0-d array of its state over the params' mesh, if they have one.
+
+    optax makes its step counts (line 9's schedule, AdamW's) on the default
+    device; the first jitted step would move them onto the mesh, and the
+    second, finding them there, would compile again.
+    """
+
+    def init_fn(params: Any) -> Any:
+        state = tx.init(params)
+        on_mesh = next((x for x in jax.tree.leaves(params) if _mesh(x) is not None), None)
+        if on_mesh is None:
+            return state
+        return jax.tree.map(
+            lambda x: _replicated(x, on_mesh) if isinstance(x, jax.Array) and x.ndim == 0 else x, state
+        )
+
+    return tx._replace(init=init_fn)
 
 
 def _line_9(learning_rate: optax.ScalarOrSchedule, weight_decay: float) -> optax.GradientTransformation:

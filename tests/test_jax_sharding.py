@@ -1,0 +1,366 @@
+"""Sharded JAX: the optax adapter on parameters laid out by ``NamedSharding`` over 8 XLA host devices.
+
+XLA fixes the number of host devices when JAX's CPU backend starts, and the
+rest of the suite starts it with one. So the multi-device checks run in one
+subprocess, started with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+(and x64 on): it runs `_worker` (this file's own code) and prints its
+measurements as JSON, on which the tests below assert.
+
+Each case trains the same pytree (matrices split every way over the mesh,
+a convolution kernel, and a bias for AdamW) for `STEPS` jitted steps,
+gradients taken by ``jax.grad`` inside the step, once on the mesh and once
+on one device, with the same transformation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("optax", reason="optax is not installed (pip install optax)")
+
+DEVICES = 8
+STEPS = 4  # roots every second step: steps 0 and 2 recompute them, 1 and 3 reuse them
+MESHES = {"4x2": (4, 2), "8x1": (8, 1)}
+
+#: name: (shape, PartitionSpec entries). Every shape divides evenly over its split axes on both meshes
+#: (JAX refuses an uneven NamedSharding of an array); what does not divide evenly is the blocks: see
+#: EXPECTED_BLOCKS.
+LEAVES = {
+    "w": ((32, 16), ("x", "y")),
+    "rows": ((16, 24), ("x", None)),
+    "cols": ((24, 8), (None, "y")),
+    "replicated": ((12, 10), ()),
+    "tall": ((64, 16), ("x", None)),
+    "conv": ((8, 4, 2, 2), ("x", "y")),  # optimized as the 8 x 16 matrix (default_matrix_shape)
+    "bias": ((16,), ("y",)),  # AdamW
+}
+MATRICES = [name for name, (shape, _) in LEAVES.items() if len(shape) >= 2]
+
+#: fismo(...) keywords of the block-diagonal cases, with "schedule": an optax learning-rate schedule
+#: (a step count in the state) instead of a constant. The three layouts share one single-device reference.
+BLOCKS = dict(
+    block_size=8, nesterov=True, weight_decay=0.1, statistics="scale_invariant", inv_root={"every": 2}, schedule=True
+)
+#: name: mesh, axis types, fismo(...) keywords. Between them: both axis types, both meshes, full and
+#: block-diagonal factors, a schedule, Nesterov, weight decay, both statistics, both polar methods, roots
+#: every step and every second step.
+CASES = {
+    "auto-4x2-full": ("4x2", "Auto", dict(polar="svd", weight_decay=0.1)),
+    "auto-4x2-blocks": ("4x2", "Auto", BLOCKS),
+    "explicit-4x2-blocks": ("4x2", "Explicit", BLOCKS),
+    "explicit-8x1-blocks": ("8x1", "Explicit", BLOCKS),
+}
+EAGER_CASE = "auto-4x2-full"  # also runs a step without jax.jit, on these leaves:
+EAGER_LEAVES = ("w", "bias")
+BARE_LEAVES = ("w", "rows", "conv")  # and scale_by_fismo's jitted update alone, on these
+
+#: The layout the page "Backends" (section "Sharding") promises, written out by hand from its rule.
+#: M: the parameter's layout in its matrix form (the kernel (8@x, 4@y, 2, 2) as (8@x, 16@y)).
+EXPECTED_M = {
+    "w": ["x", "y"], "rows": ["x", None], "cols": [None, "y"], "replicated": [None, None],
+    "tall": ["x", None], "conv": ["x", "y"],
+}
+#: P and Q (their roots alike) with block_size=8 on Explicit axes. One entry per stored part of a
+#: block-diagonal factor: the mesh axis the block axis of the stack (k, B, B) is split over, None for
+#: replicated, "rest" for the remainder block (r, r), replicated; "full" for a full factor (8 x 8 or
+#: smaller), replicated. The rule: a stack is split as the parameter splits that side (rows for P,
+#: columns for Q) when that split divides k and the blocks tile the side (k B = d).
+#: On Auto axes every factor is replicated.
+EXPECTED_BLOCKS = {
+    "4x2": {
+        "w": (["x"], ["y"]),  # 32 = 4 x 8 rows over x (4 | 4), 16 = 2 x 8 columns over y (2 | 2)
+        "rows": ([None], [None]),  # k = 2 blocks of rows split 4 ways: 4 does not divide 2
+        "cols": ([None], "full"),  # rows not split; 8 columns are one block
+        "replicated": ([None, "rest"], [None, "rest"]),  # 12 = 8 + 4, 10 = 8 + 2
+        "tall": (["x"], [None]),  # k = 8 over x (4 | 8); columns not split
+        "conv": ("full", ["y"]),
+    },
+    "8x1": {
+        "w": ([None], ["y"]),  # k = 4 blocks of rows, x has 8: replicated; columns over y (size 1)
+        "rows": ([None], [None]),
+        "cols": ([None], "full"),
+        "replicated": ([None, "rest"], [None, "rest"]),
+        "tall": (["x"], [None]),  # k = 8 over x (8 | 8)
+        "conv": ("full", ["y"]),
+    },
+}
+
+#: Worst relative error of W_t - W_0 between the mesh and the single-device run, float64. On the mesh
+#: XLA splits the matrix products and sums their partial results in another order, a rounding-level
+#: difference that the trajectory carries on. Measured worst case over the cases and steps: 3.8e-14
+#: under the default and Haswell kernels, 6.9e-14 under SkylakeX (JAX's CPU eigh and SVD call LAPACK
+#: through SciPy's OpenBLAS, so the kernel set moves the rounding). 1e-10, the issue's bar, leaves a
+#: factor of 1400; a layout that changed the arithmetic (a block multiplied by the wrong rows, a stale
+#: root) is an error of order 1e-2 or more.
+TRAJECTORY_TOLERANCE = 1e-10
+#: The worker takes about 50 s on two busy cores; a run far beyond that is stuck, not slow.
+WORKER_TIMEOUT_S = 420
+
+
+# ------------------------------------------------------------------ the subprocess
+def _layout(x: Any) -> Any:
+    """``x``'s ``PartitionSpec`` as a JSON list, one entry per dimension (a list for several axes)."""
+    from jax.sharding import NamedSharding
+
+    if not isinstance(x.sharding, NamedSharding):
+        return f"not a NamedSharding: {x.sharding}"
+    entries = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    return [list(e) if isinstance(e, tuple) else e for e in entries]
+
+
+def _fismo_states(state: Any) -> dict[str, Any]:
+    """The FISMOState of each matrix leaf, by leaf name, from fismo()'s optax state."""
+    import jax
+
+    from fismo_core import FISMOState
+    from fismo_core.backends.optax import ScaleByFismoState
+
+    (inner,) = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, ScaleByFismoState))
+                if isinstance(s, ScaleByFismoState)]
+    return {name: s for name, s in inner.states.items() if isinstance(s, FISMOState)}
+
+
+def _state_layout(state: Any) -> dict[str, Any]:
+    """Per matrix leaf: M's layout and, per factor field, the layout of each stored part."""
+    from fismo_core.kronecker import Blocks
+
+    out = {}
+    for name, s in _fismo_states(state).items():
+        parts = {"M": _layout(s.M)}
+        for field in ("P", "Q", "P_inv_sqrt", "Q_inv_sqrt"):
+            value = getattr(s, field)
+            if isinstance(value, Blocks):
+                arrays = [value.full] + ([value.rest] if value.rest is not None else [])
+            else:
+                arrays = [value]
+            parts[field] = [_layout(a) for a in arrays]
+        parts["counters"] = [_layout(s.step), _layout(s.skipped), _layout(s.root_failures)]
+        out[name] = parts
+    return out
+
+
+def _run_case(name: str) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from fismo_core.backends.optax import fismo, scale_by_fismo
+    from fismo_core.testing import max_relative_error, reference_gradients
+
+    mesh_name, axis_type, options = CASES[name]
+    mesh = jax.make_mesh(MESHES[mesh_name], ("x", "y"), axis_types=(getattr(AxisType, axis_type),) * 2)
+    options = dict(options)
+    learning_rate = optax.linear_schedule(0.02, 0.005, STEPS) if options.pop("schedule", False) else 0.02
+    tx = fismo(learning_rate, **options)
+
+    rng = np.random.default_rng(0)
+    W0 = {leaf: rng.standard_normal(shape) for leaf, (shape, _) in LEAVES.items()}
+    data = {leaf: reference_gradients((1, *shape) if len(shape) == 1 else shape, STEPS, seed=i)
+            for i, (leaf, (shape, _)) in enumerate(LEAVES.items())}
+    data = [{leaf: np.reshape(data[leaf][t], LEAVES[leaf][0]) for leaf in LEAVES} for t in range(STEPS)]
+
+    def loss(params: Any, X: Any) -> Any:
+        # The gradient is X + 0.05 W: taken inside the jitted step, where its layout is XLA's to choose.
+        return sum(jnp.sum(params[k] * X[k]) + 0.025 * jnp.sum(params[k] ** 2) for k in params)
+
+    def train_step(params: Any, state: Any, X: Any) -> Any:
+        updates, state = tx.update(jax.grad(loss)(params, X), state, params)
+        return optax.apply_updates(params, updates), state
+
+    def on_mesh(tree: Any) -> Any:
+        return {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec(*LEAVES[k][1]))) for k, v in tree.items()}
+
+    def on_one_device(tree: Any) -> Any:
+        return {k: jax.device_put(v, jax.devices()[0]) for k, v in tree.items()}
+
+    def trajectory(place: Any, state: Any) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:
+        """STEPS jitted steps from W0; the params after each (host copies), the last state, and checks."""
+        params = place(W0)
+        step = jax.jit(train_step)
+        path, kept, compiles_after_first = [], True, 0
+        for t in range(STEPS):
+            before = len(COMPILES)
+            new_params, state = step(params, state, place(data[t]))
+            if t > 0:
+                compiles_after_first += len(COMPILES) - before
+            kept &= all(new_params[k].sharding.is_equivalent_to(params[k].sharding, params[k].ndim) for k in params)
+            params = new_params
+            path.append({k: np.asarray(v) for k, v in params.items()})
+        checks = dict(
+            params_kept_sharding=kept,
+            param_layouts={k: _layout(v) for k, v in params.items()},
+            compiles_after_first_step=compiles_after_first,
+        )
+        return path, state, checks
+
+    state = tx.init(on_mesh(W0))
+    path, final, out = trajectory(on_mesh, state)
+    out.update(
+        init_layout=_state_layout(state),
+        final_layout=_state_layout(final),
+        # An array laid out anew by a step would make the next step compile again.
+        state_shardings_kept=all(
+            a.sharding.is_equivalent_to(b.sharding, a.ndim)
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final))
+        ),
+    )
+    key = json.dumps(CASES[name][2], sort_keys=True)
+    if key not in _REFERENCES:  # jit-compiled and committed: eagerly JAX would compile each operation of init
+        on_one = on_one_device(W0)
+        _REFERENCES[key] = trajectory(on_one_device, jax.device_put(jax.jit(tx.init)(on_one), jax.devices()[0]))[0]
+    reference = _REFERENCES[key]
+    out["errors"] = [
+        max(max_relative_error(got[k] - W0[k], ref[k] - W0[k]) for k in LEAVES)
+        for got, ref in zip(path, reference)
+    ]
+    if name == EAGER_CASE:  # the first step without jax.jit around it, against the jitted one-device step
+        params = on_mesh({k: W0[k] for k in EAGER_LEAVES})  # the leaves are independent: a part of the tree
+        X = on_mesh({k: data[0][k] for k in EAGER_LEAVES})
+        updates, _ = tx.update(jax.grad(loss)(params, X), tx.init(params), params)
+        first = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+        out["eager_error"] = max(
+            max_relative_error(first[k] - W0[k], reference[0][k] - W0[k]) for k in EAGER_LEAVES
+        )
+        out["eager_updates_kept_sharding"] = all(
+            updates[k].sharding.is_equivalent_to(params[k].sharding, params[k].ndim) for k in params
+        )
+        # scale_by_fismo alone, its update jitted: nothing ties its directions to the params, which
+        # XLA would otherwise be free to lay out as it likes (it replicates them).
+        bare = scale_by_fismo()
+        grads = on_mesh({k: data[0][k] for k in BARE_LEAVES})
+        directions, _ = jax.jit(bare.update)(grads, bare.init(grads))
+        out["bare_directions_like_gradients"] = {
+            k: directions[k].sharding.is_equivalent_to(grads[k].sharding, grads[k].ndim) for k in grads
+        }
+    if name in ("auto-4x2-blocks", "explicit-4x2-blocks"):
+        with jax.set_mesh(mesh):  # JAX's rule for a jitted init on Explicit axes (optax.adamw's too)
+            out["jit_init_layout"] = _state_layout(jax.jit(tx.init)(on_mesh(W0)))
+    return out
+
+
+#: The worker's count of XLA compilations (JAX's monitoring events), read around each jitted step.
+COMPILES: list[str] = []
+#: The single-device trajectories, by fismo(...) keywords: cases that differ only in layout share one.
+_REFERENCES: dict[str, Any] = {}
+
+
+def _worker() -> None:
+    """Every case on 8 host devices; prints ``{case: measurements}`` as one JSON line."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: COMPILES.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    assert jax.device_count() == DEVICES, jax.devices()
+    print(json.dumps({name: _run_case(name) for name in CASES}))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip(),
+        "JAX_PLATFORMS": "cpu",
+    }
+    here = Path(__file__).resolve().parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_jax_sharding; test_jax_sharding._worker()"
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(
+            f"the 8-device worker did not finish in {WORKER_TIMEOUT_S} s. If its threads wait in "
+            "lapack_*_ffi / jax::ParallelBatchMap, that is jaxlib's CPU LAPACK deadlock (page Backends, "
+            f"section Sharding). Its stderr:\n{(exc.stderr or b'')[-4000:]!r}"
+        )
+    assert run.returncode == 0, f"the 8-device worker failed:\n{run.stderr[-6000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ the tests
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_trajectory_equals_single_device(results: dict[str, Any], case: str) -> None:
+    errors = results[case]["errors"]
+    assert len(errors) == STEPS
+    assert max(errors) <= TRAJECTORY_TOLERANCE, errors
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_updated_params_keep_their_sharding(results: dict[str, Any], case: str) -> None:
+    got = results[case]
+    assert got["params_kept_sharding"]
+    expected = {k: list(spec) + [None] * (len(shape) - len(spec)) for k, (shape, spec) in LEAVES.items()}
+    assert got["param_layouts"] == expected
+
+
+def _expected_layout(case: str) -> dict[str, Any]:
+    """EXPECTED_M and EXPECTED_BLOCKS for ``case``, in the worker's format (`_state_layout`)."""
+    mesh_name, axis_type, options = CASES[case]
+    block_size = options.get("block_size")
+    out = {}
+    for name in MATRICES:
+        shape = LEAVES[name][0]
+        m, n = shape[0], int(np.prod(shape[1:]))
+        parts = {"M": EXPECTED_M[name]}
+        for field, d, expected in zip(("P", "Q"), (m, n), EXPECTED_BLOCKS[mesh_name][name]):
+            if block_size is None or d <= block_size:
+                layout = [[None, None]]  # a full factor
+            elif axis_type == "Auto":
+                layout = [[None, None, None]] + ([[None, None]] if d % block_size else [])
+            else:
+                layout = [[None, None] if axis == "rest" else [axis, None, None] for axis in expected]
+            parts[field] = parts[f"{field}_inv_sqrt"] = layout
+        parts["counters"] = [[], [], []]  # step and the two counters: 0-d, replicated
+        out[name] = parts
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("when", ["init_layout", "final_layout"])
+def test_state_layout_is_the_documented_one(results: dict[str, Any], case: str, when: str) -> None:
+    """After init and after the last step: M like its parameter, P, Q and roots as the docs say."""
+    assert results[case][when] == _expected_layout(case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_jitted_step_compiles_once(results: dict[str, Any], case: str) -> None:
+    """The state keeps its layout, so the second and later steps reuse the first step's executable."""
+    assert results[case]["compiles_after_first_step"] == 0
+    assert results[case]["state_shardings_kept"]
+
+
+def test_eager_update_on_a_mesh(results: dict[str, Any]) -> None:
+    """Without jax.jit around the step: the same updates as on one device, laid out like the params."""
+    got = results[EAGER_CASE]
+    assert got["eager_error"] <= TRAJECTORY_TOLERANCE
+    assert got["eager_updates_kept_sharding"]
+
+
+def test_bare_directions_are_laid_out_like_the_gradients(results: dict[str, Any]) -> None:
+    """``jax.jit(scale_by_fismo().update)``: the directions come back laid out like the gradients."""
+    assert results[EAGER_CASE]["bare_directions_like_gradients"] == {k: True for k in BARE_LEAVES}
+
+
+def test_jitted_init_layout(results: dict[str, Any]) -> None:
+    """``jax.jit(tx.init)`` lays the state out as an eager init does.
+
+    On Auto axes the kernel's ``M`` is left out: there XLA lays it out as it reshapes the kernel.
+    """
+    assert results["explicit-4x2-blocks"]["jit_init_layout"] == _expected_layout("explicit-4x2-blocks")
+    auto, expected = results["auto-4x2-blocks"]["jit_init_layout"], _expected_layout("auto-4x2-blocks")
+    for name in MATRICES:
+        if len(LEAVES[name][0]) > 2:
+            auto[name].pop("M"), expected[name].pop("M")
+    assert auto == expected
