@@ -106,8 +106,8 @@ def unpack(core: _CoreFISMO, states: list[dict], stacked: FISMOState, new: FISMO
         for key, new_part, old_part in zip(keys, new_parts, old_parts):
             if new_part is old_part:
                 continue
-            for i, state in enumerate(states):
-                state[key].copy_(new_part[i])
+            # One foreach copy per key and bucket (on a GPU, one launch instead of one per parameter).
+            torch._foreach_copy_([state[key] for state in states], list(new_part.unbind(0)))
 
 
 # ---------------------------------------------------------------- checkpoints
