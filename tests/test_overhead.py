@@ -1,0 +1,149 @@
+"""The operation counter behind the "Fixed overhead" figures (docs/performance.md,
+``docs/scripts/overhead.py``, the asv benchmarks ``bench_overhead.OpCounts``).
+
+``OpCounter`` is checked against operations whose count is known without it: aten ops called
+one by one, and the graph ``make_fx`` (torch's own tracer) records for the same step of
+``torch.optim.Muon``. Every way Python reads a tensor's value back must count as one host read,
+and device-side work as none. The page's method rests on two claims checked here too: the
+second step is the steady one, and a step's count does not depend on the matrices' size.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "asv_benchmarks"))
+from benchmarks.bench_overhead import (  # noqa: E402
+    OVERHEAD_CONFIGS,
+    OpCounter,
+    count_steps,
+    matrices_with_grads,
+)
+
+aten = torch.ops.aten
+
+
+def test_counts_each_dispatched_op_once_and_tells_views_from_kernels():
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with OpCounter() as counter:
+        x = aten.mm.default(a, b)
+        y = aten.view.default(x, [15])
+        aten.add.Tensor(y, y)
+        aten.mm.default(a, b)
+        aten.transpose.int(a, 0, 1)
+    assert counter.ops == Counter(
+        {"aten.mm.default": 2, "aten.view.default": 1, "aten.add.Tensor": 1, "aten.transpose.int": 1}
+    )
+    assert (counter.total, counter.views, counter.kernels) == (5, 2, 3)
+    assert counter.host_reads == []
+
+
+def test_counts_what_make_fx_traces_for_a_muon_step():
+    """torch's tracer records the same aten ops, op by op, for a step of torch.optim.Muon."""
+    opt = torch.optim.Muon(matrices_with_grads([(8, 4), (4, 4), (4, 8)]))
+    opt.step()  # the state exists: the two steps below are alike
+    with OpCounter() as counter:
+        opt.step()
+    graph = make_fx(lambda: opt.step())().graph
+    traced = Counter(str(node.target) for node in graph.nodes if node.op == "call_function")
+    assert counter.total > 0
+    assert counter.ops == traced
+
+
+#: Every way of reading a CPU tensor's value into Python, and ops that wait for the data.
+HOST_READS = {
+    "item": lambda t: t.sum().item(),
+    "bool": lambda t: bool(t.sum() > 0),
+    "int": lambda t: int(t[0, 0]),
+    "float": lambda t: float(t[0, 0]),
+    "tolist": lambda t: t.tolist(),
+    "numpy": lambda t: t.numpy(),
+    "np.asarray": lambda t: np.asarray(t),
+    "nonzero": lambda t: t.nonzero(),
+    "boolean mask": lambda t: t[t > 0],
+    "torch.equal": lambda t: torch.equal(t, t),
+}
+
+
+@pytest.mark.parametrize("how", list(HOST_READS))
+def test_a_host_read_counts_once_where_it_is_made(how):
+    read = HOST_READS[how]
+    t = torch.randn(3, 3)
+    with OpCounter() as counter:
+        read(t)
+    assert len(counter.host_reads) == 1, counter.host_reads
+    site = counter.host_reads[0].site
+    # the call site is the caller's line (the lambda above), not torch's or the counter's
+    assert site.split(" ")[0].endswith(f"test_overhead.py:{read.__code__.co_firstlineno}"), site
+
+
+def test_device_side_work_is_no_host_read():
+    t = torch.randn(4, 4)
+    with OpCounter() as counter:
+        t @ t
+        t[torch.tensor([0, 2])]  # integer indexing: the output size is known without the data
+        t.to(torch.float64)
+        torch.where(t > 0, t, torch.zeros_like(t))
+        torch.isfinite(t).all()
+        torch.linalg.eigh(t @ t.mT)
+    assert counter.total >= 6
+    assert counter.host_reads == []
+    assert counter.syncing_linalg == 1  # eigh: counted apart (it synchronises a CUDA device)
+
+
+def test_nested_counters_both_count_and_tensor_methods_are_restored():
+    originals = {name: torch.Tensor.__dict__.get(name) for name in ("tolist", "numpy")}
+    t = torch.randn(2, 2)
+    with OpCounter() as outer:
+        with OpCounter() as inner:
+            t.tolist()
+            t.sum().item()
+        t.numpy()
+    assert [r.op for r in inner.host_reads] == ["Tensor.tolist", "aten._local_scalar_dense.default"]
+    assert [r.op for r in outer.host_reads] == [
+        "Tensor.tolist", "aten._local_scalar_dense.default", "Tensor.numpy"
+    ]
+    assert {name: torch.Tensor.__dict__.get(name) for name in originals} == originals
+    with pytest.raises(ZeroDivisionError):
+        with OpCounter():
+            1 / 0
+    assert {name: torch.Tensor.__dict__.get(name) for name in originals} == originals
+
+
+def test_stacks_name_the_calling_function():
+    def product(x):
+        return x @ x
+
+    t = torch.randn(3, 3)
+    with OpCounter(stacks=True) as counter:
+        product(t)
+    [(name, stack)] = counter.stacks
+    assert name == "aten.mm.default"
+    location, function = stack[-1].rsplit(" ", 1)
+    assert function == "product"
+    assert location.endswith(f"test_overhead.py:{product.__code__.co_firstlineno + 1}")
+
+
+@pytest.mark.parametrize("config", list(OVERHEAD_CONFIGS))
+def test_a_steps_count_is_steady_from_the_second_step_and_does_not_depend_on_the_size(config):
+    """The method of the page: count the second step, on the GPT-2 shapes with every side divided by 16.
+
+    One layer's four shapes divided by 16 and by 8 (block sizes likewise): the same ops, op by op,
+    and the same host reads, in the first step and in the steady one; the third step counts as the second.
+    """
+    by_scale = {scale: count_steps(config, scale=scale, layers=1, steps=3) for scale in (16, 8)}
+    for first, second, third in by_scale.values():
+        assert second.ops == third.ops
+        assert len(second.host_reads) == len(third.host_reads)
+    for step in range(3):
+        small, large = by_scale[16][step], by_scale[8][step]
+        assert small.ops == large.ops
+        assert [r.op for r in small.host_reads] == [r.op for r in large.host_reads]
