@@ -368,9 +368,8 @@ class FISMO(Optimizer):
         for call in plan.calls:
             m, n = call.G.shape[-2:]
             unpack(core, call.states, call.stacked, call.result.state, m, n)
-            for i, (p, state) in enumerate(zip(call.params, call.states)):
-                state["step"] += 1
-                directions[p] = call.result.direction[i]
+            torch._foreach_add_([state["step"] for state in call.states], 1)
+            directions.update(zip(call.params, call.result.direction.unbind(0)))
         for p, placement in plan.stepping:  # every rank counts the steps of every matrix (checkpoints need it)
             if not placement.owns:
                 self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
