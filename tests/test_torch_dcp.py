@@ -27,9 +27,9 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from test_torch_distributed import _data, _model, _optimizer, _train, spawn  # noqa: E402
+from test_torch_distributed import STEPS, _data, _model, _optimizer, _train, spawn  # noqa: E402
+from test_torch_distributed import single_process  # noqa: E402,F401  (the uninterrupted run, a fixture)
 
-STEPS = 8
 RESUME_AT = 4
 TIMEOUT = 180  # seconds per spawn; a healthy one takes 10-30 s on 2 busy cores
 MATRICES = [0, 2, 4, 6, 8]  # the weights' indices in model.parameters()
@@ -195,19 +195,6 @@ def runs(tmp_path_factory) -> dict:
     second = _spawn(tmp, 4, "second")
     third = _spawn(tmp, 2, "third")
     return {"tmp": tmp, "second": second, "third": third}
-
-
-@pytest.fixture(scope="module")
-def single_process() -> list[torch.Tensor]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = _model()
-        X, Y = _data()
-        _train(model, _optimizer(model), X, Y, range(STEPS))
-        return [p.detach().clone() for p in model.parameters()]
-    finally:
-        torch.set_num_threads(before)
 
 
 def _worst(params: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
