@@ -44,9 +44,14 @@ def is_dtensor(t: Any) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's data of ``t``: its shard for a ``DTensor``, else ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 def local_device(p: torch.Tensor) -> torch.device:
     """The device of ``p``'s local data (its shard for a ``DTensor``)."""
-    return p.to_local().device if is_dtensor(p) else p.device
+    return local_tensor(p).device
 
 
 def shard_mesh_dim(p: Any) -> Optional[int]:
@@ -208,31 +213,31 @@ class ShardedPlacement(Placement):
         self.rank = self.mesh.get_local_rank(self.mesh_dim) if sharded else owner
 
     def exchange_key(self, p: torch.Tensor) -> Hashable:
-        return ("sharded", self.group, self.dim, tuple(p.shape), p.dtype, _local(p).device)
+        return ("sharded", self.group, self.dim, tuple(p.shape), p.dtype, local_tensor(p).device)
 
     def start_gather(self, bucket: list[tuple[torch.Tensor, "Placement"]]) -> Pending:
         if self.group is None:  # replicated on every mesh dimension: the local tensor is the whole gradient
-            return None, lambda: {p: _local(p.grad) for p, _ in bucket}
+            return None, lambda: {p: local_tensor(p.grad) for p, _ in bucket}
         p0 = bucket[0][0]
         exchange = _Exchange(p0.shape, self.dim, self.group, self.rank, [placement.owner for _, placement in bucket])
-        shards = [exchange.padded(_local(p.grad)) for p, _ in bucket]
-        work, finish = exchange.start(shards, _local(p0.grad).dtype, _local(p0.grad).device)
+        shards = [exchange.padded(local_tensor(p.grad)) for p, _ in bucket]
+        work, finish = exchange.start(shards, local_tensor(p0.grad).dtype, local_tensor(p0.grad).device)
         return work, lambda: dict(zip([p for p, placement in bucket if placement.owns], finish()))
 
     def start_apply(self, bucket: list[tuple[torch.Tensor, "Placement"]], directions: dict, updates: dict) -> Pending:
         if self.group is None:
             for p, _ in bucket:
-                updates[p](_local(p), directions[p])
+                updates[p](local_tensor(p), directions[p])
             return None, lambda: None
         p0 = bucket[0][0]
         exchange = _Exchange(p0.shape, self.dim, self.group, self.rank, [placement.owner for _, placement in bucket])
-        dtype, device = direction_dtype(p0), _local(p0).device
+        dtype, device = direction_dtype(p0), local_tensor(p0).device
         mine = [exchange.split(directions[p]) for p, placement in bucket if placement.owns]
         work, finish = exchange.start_back(mine, dtype, device)
 
         def apply() -> None:
             for (p, _), shard in zip(bucket, finish()):
-                updates[p](_local(p), shard)
+                updates[p](local_tensor(p), shard)
 
         return work, apply
 
@@ -333,10 +338,6 @@ def _all_to_all(received: torch.Tensor, send: list[torch.Tensor], receive_sizes:
     return torch.distributed.all_to_all_single(
         received, flat, output_split_sizes=receive_sizes, input_split_sizes=send_sizes, group=group, async_op=True
     )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
 
 
 def _broadcast_value(value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any, group: Any,

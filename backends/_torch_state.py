@@ -27,7 +27,7 @@ from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
-from ._torch_distributed import is_dtensor, local_device, shard_group
+from ._torch_distributed import is_dtensor, local_device, local_tensor, shard_group
 from ._torch_groups import CORE_DEFAULTS, param_name
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
@@ -299,10 +299,10 @@ def _finiteness_flags(param_groups: list) -> list:
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            local = p.grad.to_local() if is_dtensor(p.grad) else p.grad
+            local = local_tensor(p.grad)
             finite = torch.isfinite(local).all()
             if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "raise":  # damaged parameters too, same host read
-                finite = finite & torch.isfinite(p.to_local() if is_dtensor(p) else p).all()
+                finite = finite & torch.isfinite(local_tensor(p)).all()
             checks.append((gi, i, p, finite.to(torch.int32)))
     return _agree_across_shards(checks) if checks else checks
 
@@ -324,14 +324,14 @@ def _decide(param_groups: list, checks: list) -> set:
         if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "skip":
             skip.add(id(p))
             continue
-        g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
+        g = local_tensor(p.grad)
         names = group.get("param_names")
         if names and i < len(names):
             label = f"parameter {names[i]!r} (index {i} in param group {gi}, shape {tuple(p.shape)})"
         else:
             label = f"parameter {i} of param group {gi} (shape {tuple(p.shape)})"
         if bool(torch.isfinite(g).all()):  # the gradient is fine: the parameter itself is damaged
-            local = p.detach().to_local() if is_dtensor(p) else p.detach()
+            local = local_tensor(p.detach())
             nan, inf = int(torch.isnan(local).sum()), int(torch.isinf(local).sum())
             raise ValueError(
                 f"the {label} contains {nan} NaN and {inf} infinite values: it was damaged before this step "
