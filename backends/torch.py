@@ -211,9 +211,9 @@ class FISMO(Optimizer):
         """
         saved_groups = state_dict["param_groups"]
         placements = self._placements()
-        saved_state = _full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
+        saved_state, base_state = _full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
         check_saved_state(self.param_groups, saved_state, saved_groups)
-        super().load_state_dict({**state_dict, "state": saved_state})
+        super().load_state_dict({**state_dict, "state": base_state})
         restore_saved_state(
             self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
         )
@@ -466,19 +466,33 @@ def _exported_state(p: torch.Tensor, group: dict, placement: _dist.Placement, st
     return exported
 
 
-def _full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, placements: dict) -> dict:
-    """``saved_state`` with every distributed matrix's tensors made whole (``DTensor.full_tensor``), on every rank.
+def _full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, placements: dict) -> tuple[dict, dict]:
+    """``saved_state`` with every distributed matrix's tensors made whole (``DTensor.full_tensor``), for the checks.
 
     A collective (in parameter order, the same on every rank), so that every
-    rank then checks the same checkpoint and takes the same decision.
+    rank then checks the same checkpoint and takes the same decision. Only
+    the owner keeps a matrix's tensors; the other ranks keep their shapes and
+    dtypes (on the ``meta`` device), which is all the checks read, so no rank
+    holds more than one other matrix's full state at a time. Returns the
+    checked state and the one for ``Optimizer.load_state_dict``, where a
+    matrix another rank owns keeps only its step count.
     """
-    full = dict(saved_state)
+    full, base = dict(saved_state), dict(saved_state)
     for saved_group, group in zip(saved_groups, param_groups):
         if group.get("algorithm", "fismo") != "fismo":
             continue
         for key, p in zip(saved_group["params"], group["params"]):
             saved = saved_state.get(key)
             placement = placements.get(p)
-            if saved and placement is not None and placement.distributed:
-                full[key] = {k: _dist.full_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
-    return full
+            if not (saved and placement is not None and placement.distributed):
+                continue
+            whole = {}
+            for k, v in saved.items():
+                if isinstance(v, torch.Tensor):
+                    v = _dist.full_tensor(v)
+                    if not placement.owns and v.is_floating_point() and v.ndim:
+                        v = v.to("meta")
+                whole[k] = v
+            full[key] = whole
+            base[key] = whole if placement.owns else {k: v for k, v in whole.items() if k == "step"}
+    return full, base
