@@ -21,8 +21,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import torch
+from array_api_compat import torch as _xp  # the core's namespace for torch tensors
 
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
+from fismo_core import guards as _guards
 from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
@@ -300,9 +302,9 @@ def _finiteness_flags(param_groups: list) -> list:
             if p.grad is None:
                 continue
             local = local_tensor(p.grad)
-            finite = torch.isfinite(local).all()
+            finite = _guards.all_finite(_xp, local)
             if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "raise":  # damaged parameters too, same host read
-                finite = finite & torch.isfinite(local_tensor(p)).all()
+                finite = finite & _guards.all_finite(_xp, local_tensor(p))
             checks.append((gi, i, p, finite.to(torch.int32)))
     return _agree_across_shards(checks) if checks else checks
 

@@ -43,6 +43,7 @@ once and the params keep their sharding.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -53,15 +54,20 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"fismo_core.backends.optax needs JAX and optax: pip install jax optax ({exc})") from exc
 
+import numpy as np
 from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 from fismo_core.guards import foreign_keywords
 from fismo_core.kronecker import Blocks
-from fismo_core.optimizer import FISMO, FISMOState, InverseRootConfig, InverseRootError, PolarConfig
+from fismo_core import linalg
+from fismo_core.linalg import MUON_COEFFICIENTS
+from fismo_core.optimizer import (
+    FISMO, TRAINING, FISMOState, InverseRootConfig, InverseRootError, PolarConfig, training_options,
+)
 
-__all__ = ["ScaleByFismoState", "default_matrix_shape", "fismo", "scale_by_fismo"]
+__all__ = ["ScaleByFismoState", "default_matrix_shape", "fismo", "fismo_training", "scale_by_fismo"]
 
 MatrixShape = Callable[[tuple[int, ...]], tuple[int, int]]
 
@@ -512,6 +518,145 @@ def fismo(
         other = non_matrix
     else:
         raise TypeError(f"non_matrix must be 'adamw', 'error' or an optax.GradientTransformation, got {type(non_matrix).__name__}")
+    return _fismo_transformation(
+        learning_rate, other, matrix_mask, matrix_shape, None, beta=beta, gamma=gamma, mu=mu, polar=polar,
+        inv_root=inv_root, weight_decay=weight_decay, nesterov=nesterov, statistics=statistics, block_size=block_size,
+    )
+
+
+#: What `fismo_training` passes on to the core or to `fismo`'s leaf routing (its ``fismo_options``).
+_TRAINING_OPTIONS = ("gamma", "mu", "polar", "inv_root", "statistics", "block_size", "matrix_mask", "matrix_shape")
+
+
+@foreign_keywords("fismo_core.backends.optax.fismo_training", notes=_OPTAX_MUON_NOTES)
+def fismo_training(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: Any = MUON_COEFFICIENTS[0],
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = TRAINING["weight_decay"],
+    *,
+    nesterov: bool = TRAINING["nesterov"],
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps_root: float = 0.0,
+    adam_weight_decay: float = 0.0,
+    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    consistent_rms: Optional[float] = None,
+    **fismo_options: Any,
+) -> optax.GradientTransformation:
+    """The training configuration with ``optax.contrib.muon``'s signature: ``muon(`` -> ``fismo_training(``.
+
+    The arguments mean what they mean in ``optax.contrib.muon`` (its
+    defaults, but ``weight_decay``): ``ns_coeffs`` (one ``(a, b, c)`` triple,
+    or a sequence of at most ``ns_steps`` triples, run once each), ``ns_steps``
+    and ``eps`` are line 8's Newton–Schulz iteration, in the leaves' dtype as
+    optax runs it; ``beta`` is FISMO's ``beta``; the matrix leaves' step is
+    scaled by optax's ``sqrt(max(1, n / m))`` for a leaf ``(m, n) = (fan_in, fan_out)``
+    (``consistent_rms=c``: ``c sqrt(max(m, n))``), the weight decay not; the
+    other leaves get optax's AdamW as ``optax.contrib.muon`` builds it
+    (``adam_*``, the same ``eps`` and ``nesterov``). On top come the core's
+    [`TRAINING`][fismo_core.optimizer.TRAINING]: scale-invariant statistics,
+    Nesterov, decoupled weight decay 0.1, roots every 10 steps, blocks of 512 on longer sides. It is *not*
+    Algorithm 1, which stays [`fismo`][fismo_core.backends.optax.fismo].
+
+    Where it differs from ``optax.contrib.muon``: ``weight_decay`` defaults to
+    0.1 (optax: 0), Muon's convention as in ``torch.optim.Muon``; the
+    momentum has no bias correction (optax divides by ``1 - beta^t``: a scale
+    the polar factor removes without Nesterov, a different mix of momentum
+    and gradient in the first steps with it); ``ns_coeffs`` takes no preset
+    names; leaves of more than 2 dimensions are FISMO's (as
+    ``matrix_shape(shape)``), not Adam's; ``weight_decay_mask``,
+    ``mu_dtype``, ``adaptive``, ``preconditioning`` and the dimension numbers
+    are refused, naming FISMO's spelling.
+
+    ``fismo_options`` are ``gamma``, ``mu``, ``polar``, ``inv_root``,
+    ``statistics``, ``block_size`` (the core's, overriding the preset by
+    [`training_options`][fismo_core.optimizer.training_options]) and
+    ``matrix_mask``, ``matrix_shape`` (as in [`fismo`][fismo_core.backends.optax.fismo]).
+    With ``gamma=1`` and ``nesterov=False`` it is ``optax.contrib.muon(..., nesterov=False)``
+    up to rounding. Bad input raises here, before any state exists, naming the argument.
+    """
+    if "non_matrix" in fismo_options:
+        raise TypeError(
+            "fismo_training builds the other leaves' AdamW from adam_* as optax.contrib.muon does; for another "
+            "transformation use fismo(..., non_matrix=...) with the settings of fismo_core.TRAINING"
+        )
+    unknown = sorted(set(fismo_options) - set(_TRAINING_OPTIONS))
+    if unknown:
+        raise TypeError(f"fismo_training() got unexpected keyword arguments {unknown}; it takes {list(_TRAINING_OPTIONS)}")
+    polar = _muon_polar(ns_coeffs, ns_steps, eps)
+    if consistent_rms is not None and (
+        isinstance(consistent_rms, bool) or not isinstance(consistent_rms, numbers.Real)
+        or not math.isfinite(consistent_rms) or consistent_rms <= 0
+    ):
+        raise ValueError(f"consistent_rms must be None or a finite number > 0, got {consistent_rms!r}")
+    leaves = {k: fismo_options.pop(k) for k in ("matrix_mask", "matrix_shape") if k in fismo_options}
+    options = training_options(
+        {**TRAINING, "polar": polar}, {"weight_decay": weight_decay, "nesterov": nesterov, "beta": beta, **fismo_options}
+    )
+    core = FISMO(**options)  # the core's checks, naming the argument, before anything is built
+    other = optax.adamw(
+        learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
+        eps_root=adam_eps_root, weight_decay=adam_weight_decay, nesterov=nesterov,
+    )
+
+    def step_scale(m: int, n: int) -> float:  # optax.contrib.muon's scale_by_shape, fan_in = m, fan_out = n
+        return math.sqrt(max(1.0, n / m)) if consistent_rms is None else consistent_rms * math.sqrt(max(m, n))
+
+    return _fismo_transformation(
+        learning_rate, other, leaves.get("matrix_mask"), leaves.get("matrix_shape", default_matrix_shape), step_scale,
+        beta=core.beta, gamma=core.gamma, mu=core.mu, polar=core.polar, inv_root=core.inv_root,
+        weight_decay=core.weight_decay, nesterov=core.nesterov, statistics=core.statistics, block_size=core.block_size,
+    )
+
+
+def _muon_polar(ns_coeffs: Any, ns_steps: int, eps: float) -> dict[str, Any]:
+    """optax.contrib.muon's Newton–Schulz arguments as line 8's `PolarConfig` fields (checked, naming them).
+
+    One ``(a, b, c)`` triple runs ``ns_steps`` times; ``k <= ns_steps`` triples run once each, as in optax.
+    """
+    given = f"fismo_training(ns_coeffs={ns_coeffs!r}, ns_steps={ns_steps!r}, eps={eps!r})"
+    try:
+        coefficients = None if isinstance(ns_coeffs, str) else np.asarray(ns_coeffs, dtype=np.float64)
+    except (TypeError, ValueError):
+        coefficients = None
+    if coefficients is None or coefficients.ndim not in (1, 2) or coefficients.shape[-1] != 3:
+        raise ValueError(f"{given}: ns_coeffs must be one (a, b, c) triple or a sequence of triples (no preset names)")
+    triples = tuple(tuple(float(c) for c in t) for t in coefficients.reshape(-1, 3))
+    try:
+        steps = linalg._check_integer("ns_steps", ns_steps)
+        if coefficients.ndim == 2 and len(triples) > steps:
+            raise ValueError(f"{len(triples)} triples are more than ns_steps={steps} (optax's rule)")
+        polar = PolarConfig(coefficients=triples, steps=steps if coefficients.ndim == 1 else len(triples), eps=eps)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{given}: {exc}") from None
+    return {"method": polar.method, "coefficients": polar.coefficients, "steps": polar.steps, "eps": polar.eps}
+
+
+def _fismo_transformation(
+    learning_rate: optax.ScalarOrSchedule,
+    other: Optional[optax.GradientTransformation],
+    matrix_mask: Optional[Any],
+    matrix_shape: MatrixShape,
+    step_scale: Optional[Callable[[int, int], float]],
+    *,
+    beta: float,
+    gamma: float,
+    mu: float,
+    polar: Union[PolarConfig, str, dict],
+    inv_root: Union[InverseRootConfig, str, dict],
+    weight_decay: float,
+    nesterov: bool,
+    statistics: str,
+    block_size: Optional[int],
+) -> optax.GradientTransformation:
+    """`fismo` and `fismo_training`: FISMO on the matrix leaves, ``other`` on the rest (``None``: refuse them).
+
+    ``step_scale(m, n)`` multiplies the step's learning rate of an ``m x n`` matrix (not its weight decay);
+    ``None``: no scaling.
+    """
     weight_decay = FISMO(weight_decay=weight_decay).weight_decay  # the core's check (a finite number >= 0)
 
     def labels(tree: Any) -> Any:
@@ -548,7 +693,7 @@ def fismo(
             block_size=block_size,
         )
     ]
-    matrix_tx.append(_line_9(learning_rate, weight_decay))
+    matrix_tx.append(_line_9(learning_rate, weight_decay, matrix_shape, step_scale))
     transforms = {"fismo": optax.chain(*matrix_tx), "non_matrix": other if other is not None else optax.identity()}
     return _scalars_on_the_mesh(optax.partition(transforms, labels))
 
@@ -573,7 +718,12 @@ def _scalars_on_the_mesh(tx: Any) -> Any:
     return tx._replace(init=init_fn)
 
 
-def _line_9(learning_rate: optax.ScalarOrSchedule, weight_decay: float) -> optax.GradientTransformation:
+def _line_9(
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: float,
+    matrix_shape: MatrixShape = default_matrix_shape,
+    step_scale: Optional[Callable[[int, int], float]] = None,
+) -> optax.GradientTransformation:
     """Line 9 with decoupled weight decay as optax updates, by the core's rule ``line_9_factors``.
 
     ``updates = -(rate dW + decay W)`` with ``(decay, rate)`` the core's
@@ -581,7 +731,9 @@ def _line_9(learning_rate: optax.ScalarOrSchedule, weight_decay: float) -> optax
     ``W_t = (1 - decay) W_{t-1} - rate dW_t``. State and arithmetic of the
     learning rate are ``optax.scale_by_learning_rate``'s (a schedule's value
     in the update's dtype, its step count): without weight decay the updates
-    are bit for bit that transformation's.
+    are bit for bit that transformation's. ``step_scale(m, n)``, if given,
+    multiplies the rate of a leaf whose matrix is ``matrix_shape(leaf.shape) = (m, n)``
+    (Muon's shape-based learning rate; the decay keeps the unscaled one).
     """
     scheduled = callable(learning_rate)
 
@@ -592,12 +744,14 @@ def _line_9(learning_rate: optax.ScalarOrSchedule, weight_decay: float) -> optax
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         if weight_decay and params is None:
             raise ValueError("fismo(weight_decay=...) needs the params: call tx.update(grads, state, params)")
-        decay, rate = _fismo.line_9_factors(learning_rate(state.count) if scheduled else learning_rate, weight_decay)
+        lr = learning_rate(state.count) if scheduled else learning_rate
 
         def coefficient(c: Any, x: Any) -> Any:
             return jnp.array(c, dtype=x.dtype) if scheduled else c
 
         def leaf(dW: Any, W: Any) -> Any:
+            step_lr = None if step_scale is None else lr * step_scale(*_matrix_dims(tuple(dW.shape), matrix_shape))
+            decay, rate = _fismo.line_9_factors(lr, weight_decay, step_lr)
             step = coefficient(-rate, dW) * dW
             return step - coefficient(decay, W) * W if weight_decay else step
 

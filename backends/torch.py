@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -37,7 +38,8 @@ from fismo_core.guards import foreign_keywords
 from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 from fismo_core.kronecker import factor_structure
-from fismo_core.optimizer import InverseRootConfig, InverseRootError, PolarConfig
+from fismo_core.linalg import MUON_COEFFICIENTS
+from fismo_core.optimizer import TRAINING, InverseRootConfig, InverseRootError, PolarConfig, training_options
 
 from . import _torch_distributed as _dist
 from ._torch_groups import (
@@ -179,6 +181,71 @@ class FISMO(Optimizer):
         }
         validate_fismo_hparams(defaults, "the optimizer's defaults")
         super().__init__(params, defaults)
+
+    @classmethod
+    def training(
+        cls,
+        params: Any,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        weight_decay: float = TRAINING["weight_decay"],
+        momentum: float = 0.95,
+        nesterov: bool = TRAINING["nesterov"],
+        ns_coefficients: tuple[float, float, float] = MUON_COEFFICIENTS[0],
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: Optional[str] = None,
+        **fismo_options: Any,
+    ) -> "FISMO":
+        """The training configuration, with ``torch.optim.Muon``'s signature and defaults.
+
+        Replacing ``torch.optim.Muon(`` by ``FISMO.training(`` is the switch:
+        the arguments mean what they mean in ``torch.optim.Muon`` (``lr``
+        1e-3, ``weight_decay`` 0.1 decoupled, ``momentum`` 0.95 is ``beta``,
+        ``nesterov`` on, the Newton–Schulz ``ns_coefficients``, ``eps`` and
+        ``ns_steps``; ``adjust_lr_fn=None`` means ``"original"``,
+        ``lr * sqrt(max(1, m/n))``, as in ``torch.optim.Muon``). On top of
+        them come the core's [`TRAINING`][fismo_core.optimizer.TRAINING]
+        (scale-invariant statistics, roots every 10 steps, blocks of 512) and Muon's
+        bfloat16 iteration (``polar`` dtype ``"bfloat16"``). This is *not*
+        Algorithm 1, which stays ``FISMO(params)``.
+
+        ``fismo_options`` are any other keyword of ``FISMO`` (``gamma``,
+        ``mu``, ``block_size``, ``statistics``, ``inv_root``, ``polar``,
+        ``nonfinite``, ``process_group``) and override the preset by the
+        core's rule ([`training_options`][fismo_core.optimizer.training_options]:
+        ``polar``/``inv_root`` as a dict or method name are merged field by
+        field). ``params`` are what ``FISMO`` takes: tensors, or param groups,
+        ``"adamw"`` groups included (e.g. [`param_groups`][fismo_core.backends.torch.param_groups]).
+        With ``gamma=1`` (``P = Q = I``) it is ``torch.optim.Muon`` at the same
+        arguments, up to bfloat16 rounding. Bad input raises before anything
+        is built, naming the argument.
+        """
+        if "beta" in fismo_options:
+            raise TypeError(
+                "FISMO.training takes torch.optim.Muon's arguments: the momentum is momentum= "
+                f"(FISMO's beta), got beta={fismo_options['beta']!r}"
+            )
+        if (
+            isinstance(ns_coefficients, (str, bytes))
+            or not hasattr(ns_coefficients, "__len__")
+            or len(ns_coefficients) != 3
+        ):
+            raise ValueError(
+                f"ns_coefficients must be three numbers (a, b, c), as in torch.optim.Muon, got {ns_coefficients!r}"
+            )
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum (FISMO's beta) must be a number in [0, 1], got {momentum!r}")
+        muon = {"ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps}
+        try:
+            polar = PolarConfig(coefficients=(tuple(ns_coefficients),), steps=ns_steps, eps=eps, dtype="bfloat16")
+        except (TypeError, ValueError) as exc:
+            given = ", ".join(f"{k}={v!r}" for k, v in muon.items())
+            raise type(exc)(f"FISMO.training({given}): {exc}") from None
+        preset = {**TRAINING, "polar": dataclasses.asdict(polar)}
+        muon_conventions = {"weight_decay": weight_decay, "nesterov": nesterov, "beta": momentum,
+                            "adjust_lr_fn": "original" if adjust_lr_fn is None else adjust_lr_fn}
+        # The constructor checks the other values before anything is built, naming them.
+        return cls(params, lr, **training_options(preset, {**muon_conventions, **fismo_options}))
 
     # ------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict) -> None:

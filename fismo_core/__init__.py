@@ -5,7 +5,9 @@ Zhang, "FISMO: Fisher-Structured Momentum-Orthogonalized Optimizer". This
 package implements it once, against the Python array API standard, so it runs
 unchanged on NumPy, CuPy, PyTorch, JAX and array-api-strict.
 
-- `FISMO`, `FISMOState`: the optimizer as pure functions.
+- `FISMO`, `FISMOState`: the optimizer as pure functions; `FISMO()` is
+  Algorithm 1 as printed, `FISMO.training()` the configuration for training
+  (`TRAINING`: scale-invariant statistics with Muon's conventions).
 - `fismo_core.linalg`: the matrix functions (polar factor, inverse square
   root, trace normalisation), each with an exact and a matmul-only method.
 - `fismo_core.kronecker`: the Kronecker factors ``P`` and ``Q`` (full, or
@@ -27,6 +29,7 @@ from .optimizer import (
     PolarConfig,
     StepLines,
     StepResult,
+    TRAINING,
     state_dtype,
 )
 
@@ -43,6 +46,7 @@ __all__ = [
     "PolarConfig",
     "StepLines",
     "StepResult",
+    "TRAINING",
     "__version__",
     "guards",
     "kronecker",

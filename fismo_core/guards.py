@@ -75,6 +75,18 @@ def check_nonfinite_policy(policy: Any, where: str = "") -> str:
     return policy
 
 
+def all_finite(xp: Any, X: Array, axis: Any = None) -> Array:
+    """Whether every entry of ``X`` (over ``axis``; ``None``: all of it) is finite, as a boolean array.
+
+    ``X * 0`` is 0 where ``X`` is finite and NaN where it is a NaN or an
+    infinity, so its sum is finite exactly when every entry is (a sum of
+    zeros cannot overflow): one product and one reduction, where
+    ``all(isfinite(X))`` takes four elementwise passes and a reduction in
+    torch (3–10x the time on a CPU). No host read.
+    """
+    return xp.isfinite(xp.sum(X * 0, axis=axis))
+
+
 def check_finite(xp: Any, G: Array, W: Optional[Array] = None) -> None:
     """Raise before any state changes if ``G`` (or ``W``, when given) has a NaN or an infinity.
 
@@ -82,11 +94,11 @@ def check_finite(xp: Any, G: Array, W: Optional[Array] = None) -> None:
     call, for both arrays). Inside a traced function (``jax.jit``) no value
     can be read; the check is then left out, and non-finite values propagate.
     """
-    all_finite = xp.all(xp.isfinite(G))
+    finite = all_finite(xp, G)
     if W is not None:
-        all_finite = all_finite & xp.all(xp.isfinite(W))
+        finite = finite & all_finite(xp, W)
     try:
-        ok = bool(all_finite)
+        ok = bool(finite)
     except TypeError:  # a traced value (jax.errors.ConcretizationTypeError is a TypeError)
         return
     if ok:
@@ -292,15 +304,18 @@ def statistics_scale(xp: Any, G: Array, statistics: str) -> tuple[Array, Any, An
     back into a coefficient.
     """
     m, n = G.shape[-2], G.shape[-1]
+    amax = xp.max(xp.abs(G), axis=(-2, -1), keepdims=True)
     if statistics == "scale_invariant":  # G / rms(G), per matrix; a zero G stays zero
         # rms on G / 2^k so the sum of squares cannot overflow; the power of two cancels exactly.
-        pow2 = linalg._pow2_scale(G)
+        pow2 = linalg._pow2_of(amax)
         rms = xp.sqrt(xp.sum((G / pow2) ** 2, axis=(-2, -1), keepdims=True) / (m * n))
         stat_scale = pow2 * xp.where(rms > 0, rms, xp.ones_like(rms))
         G_stat = G / stat_scale
+        # max|G / c| = max|G| / c, rounded alike (rounding is monotone): no second pass over G.
+        amax = amax / stat_scale
     else:
         stat_scale, G_stat = 1.0, G
-    s = linalg._pow2_scale(G_stat)
+    s = linalg._pow2_of(amax)
     return G_stat / s, stat_scale * s, 1 / s / s
 
 
@@ -311,7 +326,7 @@ def skip_mask(xp: Any, G: Array) -> tuple[Array, Array]:
     Sync-free: a skipped matrix is computed with ``G = 0`` (so no NaN reaches
     ``eigh``) and restored afterwards by `restore_skipped`.
     """
-    skip = ~xp.all(xp.isfinite(G), axis=(-2, -1))
+    skip = ~all_finite(xp, G, axis=(-2, -1))
     return skip, xp.where(skip[..., None, None], xp.zeros_like(G), G)
 
 

@@ -110,19 +110,48 @@ class KroneckerFactor(Protocol):
         ...
 
 
+def _product(a: Array, b: Array, matmul_dtype: Optional[str]) -> Array:
+    """``a @ b``; with ``matmul_dtype`` (a dtype name such as ``"bfloat16"``) computed in that dtype and
+    returned in ``a``'s (``InverseRootConfig.matmul_dtype``). ``None``: ``a @ b`` as it is, bit for bit."""
+    if matmul_dtype is None:
+        return a @ b
+    from .linalg import _resolve_dtype  # the polar's dtype names, resolved in a's library
+
+    xp = array_namespace(a, b)
+    dtype = _resolve_dtype(xp, matmul_dtype)
+    return xp.astype(xp.astype(a, dtype, copy=False) @ xp.astype(b, dtype, copy=False), a.dtype, copy=False)
+
+
+def _gram(X: Array, matmul_dtype: Optional[str]) -> Array:
+    """``X X^T``, as `_product` (``X`` cast once)."""
+    xp = array_namespace(X)
+    if matmul_dtype is None:
+        return X @ xp.matrix_transpose(X)
+    from .linalg import _resolve_dtype
+
+    low = xp.astype(X, _resolve_dtype(xp, matmul_dtype), copy=False)
+    return xp.astype(low @ xp.matrix_transpose(low), X.dtype, copy=False)
+
+
 def _trace(xp: Any, A: Array) -> Array:
     """``tr A`` of matrices ``(..., d, d)`` as ``(..., 1, 1)``."""
     return xp.linalg.trace(A)[..., None, None]
 
 
 class FullFactor:
-    """The paper's Kronecker factor: one symmetric positive definite ``d x d`` matrix per parameter."""
+    """The paper's Kronecker factor: one symmetric positive definite ``d x d`` matrix per parameter.
 
-    def __init__(self, d: int) -> None:
+    ``matmul_dtype``: the dtype of the Gram product of ``update`` and of ``left`` and ``right``
+    (``InverseRootConfig.matmul_dtype``); ``None``, the default, is the operands' own.
+    """
+
+    def __init__(self, d: int, matmul_dtype: Optional[str] = None) -> None:
         self.d = d
+        self.matmul_dtype = matmul_dtype
 
     def __repr__(self) -> str:
-        return f"FullFactor({self.d})"
+        dtype = "" if self.matmul_dtype is None else f", matmul_dtype={self.matmul_dtype!r}"
+        return f"FullFactor({self.d}{dtype})"
 
     def parts(self, factor: Array) -> tuple[Array, ...]:
         """The arrays of ``factor``, each a stack of square blocks (here one block per matrix)."""
@@ -153,7 +182,7 @@ class FullFactor:
         ``A_t = sym(k A~_t) = k a A_{t-1} + (k b / 2)(X X^T + (X X^T)^T) + k c I``.
         """
         xp = array_namespace(A, X)
-        gram = X @ xp.matrix_transpose(X)
+        gram = _gram(X, self.matmul_dtype)
         return _combine(xp, A, gram, _trace(xp, A), _trace(xp, gram), divisor, gamma, mu, inv_s2, self.d)
 
     def inverse_sqrt(self, A: Array, root: Callable[[Array], Array]) -> Array:
@@ -162,11 +191,11 @@ class FullFactor:
 
     def left(self, Z: Array, X: Array) -> Array:
         """``Z X``: a root applied from the left (``P^{-1/2} X``)."""
-        return Z @ X
+        return _product(Z, X, self.matmul_dtype)
 
     def right(self, X: Array, Z: Array) -> Array:
         """``X Z``: a root applied from the right (``X Q^{-1/2}``)."""
-        return X @ Z
+        return _product(X, Z, self.matmul_dtype)
 
 
 class BlockDiagonalFactor:
@@ -176,14 +205,16 @@ class BlockDiagonalFactor:
     `FullFactor` (see `factor_structure`); this class is for ``d > block_size``.
     """
 
-    def __init__(self, d: int, block_size: int) -> None:
+    def __init__(self, d: int, block_size: int, matmul_dtype: Optional[str] = None) -> None:
         if not 0 < block_size < d:
             raise ValueError(f"a block-diagonal factor needs 0 < block_size < d, got block_size={block_size}, d={d}")
         self.d, self.B = d, block_size
         self.k, self.r = divmod(d, block_size)
+        self.matmul_dtype = matmul_dtype
 
     def __repr__(self) -> str:
-        return f"BlockDiagonalFactor({self.d}, block_size={self.B})"
+        dtype = "" if self.matmul_dtype is None else f", matmul_dtype={self.matmul_dtype!r}"
+        return f"BlockDiagonalFactor({self.d}, block_size={self.B}{dtype})"
 
     def parts(self, factor: Blocks) -> tuple[Array, ...]:
         return (factor.full,) if self.r == 0 else (factor.full, factor.rest)
@@ -221,9 +252,9 @@ class BlockDiagonalFactor:
         """
         xp = array_namespace(A.full, X)
         X_full, X_rest = self._split_rows(X)
-        grams = [X_full @ xp.matrix_transpose(X_full)]
+        grams = [_gram(X_full, self.matmul_dtype)]
         if X_rest is not None:
-            grams.append(X_rest @ xp.matrix_transpose(X_rest))
+            grams.append(_gram(X_rest, self.matmul_dtype))
         parts = self.parts(A)
         # One trace over all blocks, per matrix (..., 1, 1); the full part's blocks carry an extra axis.
         trace_prev, trace_gram = _total_trace(xp, parts), _total_trace(xp, grams)
@@ -242,7 +273,10 @@ class BlockDiagonalFactor:
     def left(self, Z: Blocks, X: Array) -> Array:
         """``Z X`` for block-diagonal ``Z``: each block of rows of ``X`` times its block (``O(d B c)``)."""
         X_full, X_rest = self._split_rows(X)
-        return self._join_rows(Z.full @ X_full, None if X_rest is None else Z.rest @ X_rest)
+        dtype = self.matmul_dtype
+        return self._join_rows(
+            _product(Z.full, X_full, dtype), None if X_rest is None else _product(Z.rest, X_rest, dtype)
+        )
 
     def right(self, X: Array, Z: Blocks) -> Array:
         """``X Z = (Z^T X^T)^T`` for block-diagonal ``Z``."""
@@ -281,11 +315,13 @@ Structure = KroneckerFactor
 """The type of a structure in hints: any `KroneckerFactor` (`FullFactor` or `BlockDiagonalFactor` here)."""
 
 
-def factor_structure(d: int, block_size: Optional[int]) -> KroneckerFactor:
-    """The structure of a side of size ``d``: full if ``block_size`` is ``None`` or ``d <= block_size``."""
+def factor_structure(d: int, block_size: Optional[int], matmul_dtype: Optional[str] = None) -> KroneckerFactor:
+    """The structure of a side of size ``d``: full if ``block_size`` is ``None`` or ``d <= block_size``.
+
+    ``matmul_dtype``: the dtype of its products (``InverseRootConfig.matmul_dtype``; ``None``: the operands')."""
     if block_size is None or d <= block_size:
-        return FullFactor(d)
-    return BlockDiagonalFactor(d, block_size)
+        return FullFactor(d, matmul_dtype)
+    return BlockDiagonalFactor(d, block_size, matmul_dtype)
 
 
 def to_dense(factor: Factor) -> Array:

@@ -166,7 +166,12 @@ def _pow2_scale(X: Array) -> Array:
     Elementwise operations and one reduction: no host synchronisation.
     """
     xp = array_namespace(X)
-    amax = xp.max(xp.abs(X), axis=(-2, -1), keepdims=True)
+    return _pow2_of(xp.max(xp.abs(X), axis=(-2, -1), keepdims=True))
+
+
+def _pow2_of(amax: Array) -> Array:
+    """`_pow2_scale` from ``max|X|`` (``(..., 1, 1)``), for a caller that has it already."""
+    xp = array_namespace(amax)
     # ones_like, not the Python scalar 1.0: array-api-compat's torch maximum promotes a scalar through
     # torch.result_type, which torch.compile cannot trace (a graph break); the values are the same.
     return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.ones_like(amax))))

@@ -40,6 +40,8 @@ CONFIGS = {
     "blocks-newton_schulz": {"block_size": 16, "inv_root": "newton_schulz", "nonfinite": "propagate"},
     "blocks-divides": {"block_size": 8, "nonfinite": "propagate"},
     "blocks-gamma1": {"block_size": 16, "gamma": 1.0},
+    # The products in bfloat16 are the same products: the same count.
+    "blocks-bf16-products": {"block_size": 16, "statistics": "scale_invariant", "inv_root": {"matmul_dtype": "bfloat16"}},
 }
 
 
@@ -225,3 +227,99 @@ def test_state_size_of_each_optimizer_in_the_memory_table(name: str, m: int, n: 
         p.grad = torch.randn(m, n)
         opt.step()
     assert torch_state_elements(opt, p) == formula(m, n)
+
+
+# ------------------------------------------------- InverseRootConfig.matmul_dtype (bf16 products)
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (mm, bmm) dispatched, by the dtype they compute in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm):
+            self.counts[args[0].dtype] = self.counts.get(args[0].dtype, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _one_direction(opt: FISMO, shape: tuple[int, int], steps: int = 3, dtype=torch.float32):
+    grads = [torch.asarray(G, dtype=dtype) for G in _gradients(shape, steps)]
+    state = opt.init(torch.zeros(shape, dtype=dtype))
+    for G in grads[:-1]:
+        _, state = opt.direction(G, state)
+    with _MatmulDtypes() as counter:
+        D, _ = opt.direction(grads[-1], state)
+    return D, counter.counts
+
+
+def _gradients(shape: tuple[int, int], steps: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(sum(shape))
+    return [rng.standard_normal(shape) / math.sqrt(shape[-1]) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("refresh", [True, False], ids=["roots recomputed", "roots cached"])
+def test_matmul_dtype_takes_exactly_the_preconditioners_products_in_bfloat16(refresh: bool) -> None:
+    # Lines 4-6 and 8 with full factors: the Gram matrices of lines 4 and 5, G Q^{-1/2} (line 4),
+    # P^{-1/2} G (line 5), the whitening's second factor (line 6) and the two factors of the
+    # un-whitening (line 8): 7 products. The polar factor, eigh's reassembly V w^{-1/2} V^T and the
+    # roots' residual checks stay in float32.
+    # every=1: the third step recomputes the roots; every=2: the second step (state.step = 1) keeps them.
+    every = 1 if refresh else 2
+    options = {"statistics": "scale_invariant", "inv_root": {"every": every}}
+    plain = FISMO(**options)
+    bf16 = FISMO(**{**options, "inv_root": {"every": every, "matmul_dtype": "bfloat16"}})
+    steps = 3 if refresh else 2
+    _, counts_plain = _one_direction(plain, (12, 20), steps)
+    _, counts_bf16 = _one_direction(bf16, (12, 20), steps)
+    assert set(counts_plain) == {torch.float32}
+    assert counts_bf16[torch.bfloat16] == 7
+    assert counts_bf16[torch.bfloat16] + counts_bf16[torch.float32] == counts_plain[torch.float32]
+
+
+@pytest.mark.parametrize("block_size", [None, 8], ids=["full", "blocks of 8"])
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12)], ids=str)
+def test_matmul_dtype_bfloat16_direction_is_within_a_few_bf16_roundings(shape, block_size) -> None:
+    options = {"statistics": "scale_invariant", "block_size": block_size}
+    exact, _ = _one_direction(FISMO(**options), shape, steps=6)
+    low, _ = _one_direction(FISMO(**options, inv_root={"matmul_dtype": "bfloat16"}), shape, steps=6)
+    deviation = float(torch.linalg.norm(low - exact) / torch.linalg.norm(exact))
+    u = 2.0**-8  # bfloat16's unit roundoff; about 2u measured here: 7 products, each rounded once
+    assert 0 < deviation < 8 * u
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_matmul_dtype_of_the_state_is_the_default_bit_for_bit(dtype) -> None:
+    name = {torch.float32: "float32", torch.float64: "float64"}[dtype]
+    options = {"statistics": "scale_invariant", "block_size": 8}
+    D, _ = _one_direction(FISMO(**options), (12, 20), steps=4, dtype=dtype)
+    D_named, _ = _one_direction(FISMO(**options, inv_root={"matmul_dtype": name}), (12, 20), steps=4, dtype=dtype)
+    assert torch.equal(D, D_named)
+
+
+def test_matmul_dtype_is_validated_when_the_optimizer_is_built() -> None:
+    with pytest.raises(ValueError, match="matmul_dtype must be None .* got 'bf16'"):
+        FISMO(inv_root={"matmul_dtype": "bf16"})
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        TorchFISMO([torch.nn.Parameter(torch.zeros(3, 4))], inv_root={"matmul_dtype": "int8"})
+
+
+def test_a_library_without_bfloat16_is_named() -> None:
+    opt = FISMO(inv_root={"matmul_dtype": "bfloat16"})
+    W = np.zeros((4, 6))
+    with pytest.raises(ValueError, match="NumPy.*no bfloat16|numpy.*no bfloat16"):
+        opt.step(W, np.ones((4, 6)), opt.init(W))
+
+
+# --------------------------------------------------------------------- guards.all_finite
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
+def test_all_finite_agrees_with_isfinite(bad) -> None:
+    from array_api_compat import torch as xp
+
+    from fismo_core.guards import all_finite
+
+    X = torch.full((3, 4, 5), 3e38)  # entries whose sum overflows float32: still finite
+    if bad is not None:
+        X[1, 2, 3] = bad
+    assert torch.equal(all_finite(xp, X, axis=(-2, -1)), torch.isfinite(X).all(dim=(-2, -1)))
+    assert bool(all_finite(xp, X)) == bool(torch.isfinite(X).all())
