@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train small models on CPU with FISMO, Muon, AdamW, SGD and SOAP; write tables and plots",
         description="Train a CNN on scikit-learn's digits and a byte-level GPT on the Python standard "
-        "library's source, on the CPU and offline, with FISMO (printed and scale-invariant statistics), "
-        "Muon, AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
+        "library's source, on the CPU and offline, with FISMO (printed and scale-invariant statistics, "
+        "and the training configuration FISMO-T), Muon (configured as printed FISMO, and torch.optim.Muon at "
+        "its defaults), AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
         "condition numbers of the updates and FISMO's preconditioners. About 11 minutes and 17 CPU-minutes "
         "on 2 cores at load 3 (--quick: about 2 CPU-minutes); see docs/results.md.",
     )
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--optimizers",
         default=None,
-        help="comma-separated subset of FISMO, FISMO-SI, Muon, AdamW, SGD, SOAP (default all)",
+        help="comma-separated subset of FISMO, FISMO-SI, FISMO-T, Muon, Muon-torch, AdamW, SGD, SOAP (default all)",
     )
     demo.add_argument("--seeds", type=int, default=None, help="seeds per optimizer (default 3; --quick 2)")
     demo.add_argument("--steps", type=int, default=None, help="training steps of every task (overrides the preset)")

@@ -2,10 +2,12 @@
 
 The end-to-end checks share one run of the ``tiny`` preset (every optimizer
 and control of the main job, both tasks, 2 seeds, 40 digits steps and 16
-steps of a narrower GPT; about 20 CPU-seconds in one process), instead of
-``--quick --steps 40`` (the whole file took 154 CPU-seconds then, about 65 now). A second run of the same preset in
+steps of a narrower GPT, grids extended where their winner is on an edge;
+about 20 CPU-seconds in one process), instead of ``--quick --steps 40`` (the
+whole file took 154 CPU-seconds then). A second run of the same preset in
 two worker processes checks that the results are identical to the last bit;
-the command line is exercised by a 4-step run of one optimizer.
+the command line is exercised by a 4-step run of one optimizer. The grid
+extension rule is also checked on fake runs whose loss is known.
 """
 
 from __future__ import annotations
@@ -36,14 +38,26 @@ from fismo_core.demo.models import DigitsCNN, MatrixConv2d, TinyGPT  # noqa: E40
 from fismo_core.demo.optimizers import (  # noqa: E402
     ALL_OPTIMIZERS,
     MUON_CONTROLS,
+    TRAINING_ABLATIONS,
     build_optimizer,
     control_base,
+    control_change,
     soap_available,
 )
-from fismo_core.demo.report import digest, digest_key, summary_table, write_report  # noqa: E402
-from fismo_core.demo.run import _blocks_supported, run_demo, run_many  # noqa: E402
+from fismo_core.demo.report import (  # noqa: E402
+    digest,
+    digest_key,
+    extension_note,
+    summarise,
+    summary_table,
+    sweep_table,
+    write_report,
+)
+from fismo_core.demo.run import _blocks_supported, beyond_edge, run_demo, run_many  # noqa: E402
 from fismo_core.demo.tasks import DigitsTask  # noqa: E402
 from fismo_core.demo.train import (  # noqa: E402
+    History,
+    RunResult,
     RunSpec,
     _diagonal_blocks,
     _identity_distance,
@@ -102,6 +116,13 @@ def test_presets() -> None:
             longest = 144 if plan.task.name == "digits" else 4 * plan.task.dim
             assert plan.block_sizes and all(b < longest for b in plan.block_sizes)
             assert "FISMO-bf16" in plan.fismo_controls
+            assert f"FISMO-T-B{plan.block_sizes[0]}" in plan.fismo_controls  # blocked FISMO-T on both tasks
+            # FISMO-T's one-setting ablations on the text task only
+            assert set(TRAINING_ABLATIONS) <= set(plan.fismo_controls) if plan.task.name == "text" else \
+                not set(TRAINING_ABLATIONS) & set(plan.fismo_controls)
+        assert config.grid_extensions == 2
+    for plan in default.plans:  # three values per grid before any extension
+        assert all(len(grid) == 3 for grid in plan.lrs.values())
     assert all(len(grid) == 2 for plan in tiny.plans for grid in plan.lrs.values())
     assert default_config(preset="tiny", steps=10).plans[0].steps == 10
     with pytest.raises(ValueError, match="unknown preset"):
@@ -115,8 +136,8 @@ def test_matrix_optimizers_share_one_split(model: torch.nn.Module) -> None:
     """FISMO, Muon and every control optimise the same hidden matrices; embeddings, head and 1-D go to AdamW."""
     names = {id(p): n for n, p in model.named_parameters()}
     sets = {}
-    controls = ["FISMO-bf16", *(["FISMO-B32", "FISMO-SI-B16"] if BLOCKS else [])]
-    for name in ("FISMO", "FISMO-SI", "Muon", "Muon-NS7", "Muon-fp32", "AdamW", *controls):
+    controls = ["FISMO-bf16", *TRAINING_ABLATIONS, *(["FISMO-B32", "FISMO-SI-B16", "FISMO-T-B16"] if BLOCKS else [])]
+    for name in ("FISMO", "FISMO-SI", "FISMO-T", "Muon", "Muon-torch", "Muon-NS7", "Muon-fp32", "AdamW", *controls):
         built = build_optimizer(name, model, 0.01, 1e-3)
         sets[name] = sorted(names[id(p)] for p in built.matrices)
     assert len({tuple(s) for s in sets.values()}) == 1
@@ -131,7 +152,9 @@ def test_matrix_optimizers_share_one_split(model: torch.nn.Module) -> None:
     if BLOCKS:
         si = build_optimizer("FISMO-SI-B16", model, 0.01, 1e-3).fismo.param_groups[0]
         assert si["block_size"] == 16 and si["statistics"] == "scale_invariant"
-    for bad in ("Adam", "FISMO-B0", "FISMO-B", "Muon-B32", "FISMO-fp16", "FISMO-bf16-B32"):
+    for bad in ("Adam", "FISMO-B0", "FISMO-B", "Muon-B32", "FISMO-fp16", "FISMO-bf16-B32", "FISMO-T-bf16",
+                "FISMO-printed", "FISMO-SI-no-wd", "FISMO-T-no-WD", "FISMO-T-every2", "FISMO-T-no-wd-B32",
+                "Muon-torch-B32", "FISMO-TB32"):
         with pytest.raises(ValueError, match="unknown optimizer"):
             build_optimizer(bad, model, 0.01, 1e-3)
 
@@ -140,9 +163,66 @@ def test_control_base() -> None:
     assert [control_base(c) for c in MUON_CONTROLS] == ["Muon", "Muon"]
     assert control_base("FISMO-B32") == control_base("FISMO-bf16") == control_base("FISMO-B8-bf16") == "FISMO"
     assert control_base("FISMO-SI-B64") == "FISMO-SI"
-    for name in ("FISMO", "Muon", "AdamW", "SOAP-B32"):
+    assert {control_base(c) for c in (*TRAINING_ABLATIONS, "FISMO-T-B32", "FISMO-T-B16-no-wd")} == {"FISMO-T"}
+    for name in ("FISMO", "FISMO-T", "Muon", "Muon-torch", "AdamW", "SOAP-B32", "FISMO-T-bf16"):
         with pytest.raises(ValueError, match="not a control"):
             control_base(name)
+    assert control_change("FISMO-T-B16-no-wd") == {"block_size": 16, "weight_decay": 0.0}
+
+
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Every param group of ``optimizer`` without its parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _field(config: object, name: str) -> object:
+    """A field of a ``polar``/``inv_root`` setting, stored as a dict or as a config object."""
+    return config[name] if isinstance(config, dict) else getattr(config, name)
+
+
+def test_training_configuration_and_torch_muon_are_built_at_torch_defaults() -> None:
+    """FISMO-T is ``FISMO.training(groups, lr=lr)``, Muon-torch ``torch.optim.Muon(matrices, lr=lr)``.
+
+    Both at torch.optim.Muon's defaults but the lr (Nesterov, weight decay 0.1, momentum 0.95, lr adjustment
+    "original"), FISMO-T with the training settings (scale-invariant statistics, roots every 10 steps,
+    Newton-Schulz in bfloat16), both with the AdamW part of FISMO and Muon (same parameters, same settings).
+    """
+    model = TinyGPT(layers=1)
+    fismo_t = build_optimizer("FISMO-T", model, 0.02, 3e-3)
+    matrices, adamw = _group_settings(fismo_t.fismo)
+    assert matrices["lr"] == 0.02 and matrices["statistics"] == "scale_invariant" and matrices["beta"] == 0.95
+    assert matrices["nesterov"] is True and matrices["weight_decay"] == 0.1 and matrices["adjust_lr_fn"] == "original"
+    assert _field(matrices["polar"], "dtype") == "bfloat16" and _field(matrices["inv_root"], "every") == 10
+    assert adamw == _group_settings(build_optimizer("FISMO", model, 0.02, 3e-3).fismo)[1]
+    assert adamw["lr"] == 3e-3 and adamw["weight_decay"] == 0.0
+
+    muon_torch = build_optimizer("Muon-torch", model, 0.02, 3e-3)
+    reference = torch.optim.Muon([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.02).defaults
+    muon_group = _group_settings(muon_torch.optimizers[0])[0]
+    assert {k: muon_group[k] for k in reference} == reference
+    assert muon_group["nesterov"] is True and muon_group["weight_decay"] == 0.1 and muon_group["adjust_lr_fn"] is None
+    muon_adamw = build_optimizer("Muon", model, 0.02, 3e-3).optimizers[1]
+    assert _group_settings(muon_torch.optimizers[1]) == _group_settings(muon_adamw)
+    assert [id(p) for p in muon_torch.optimizers[1].param_groups[0]["params"]] == \
+        [id(p) for p in fismo_t.fismo.param_groups[1]["params"]]
+
+
+@pytest.mark.parametrize(
+    ("control", "key", "value"),
+    [("FISMO-T-printed", "statistics", "printed"), ("FISMO-T-no-nesterov", "nesterov", False),
+     ("FISMO-T-no-wd", "weight_decay", 0.0), ("FISMO-T-every1", "inv_root", 1), ("FISMO-T-B16", "block_size", 16)],
+)
+def test_training_controls_change_one_setting(control: str, key: str, value: object) -> None:
+    """Each control of FISMO-T differs from FISMO-T in the one setting its name says, and in nothing else."""
+    model = TinyGPT(layers=1)
+    if key == "block_size" and not BLOCKS:
+        pytest.skip("the torch adapter has no block_size option yet")
+    base = _group_settings(build_optimizer("FISMO-T", model, 0.02, 3e-3).fismo)
+    changed = _group_settings(build_optimizer(control, model, 0.02, 3e-3).fismo)
+    assert base[1] == changed[1]  # the AdamW group
+    differing = {k for k in base[0] if base[0][k] != changed[0][k]}
+    assert differing == {key}
+    assert (_field(changed[0][key], "every") if key == "inv_root" else changed[0][key]) == value
 
 
 def test_blocked_measurements_match_the_dense_matrix() -> None:
@@ -210,6 +290,71 @@ def test_journal_reuses_finished_runs(tmp_path: Path, monkeypatch: pytest.Monkey
         run_many(other, jobs=1, journal=journal)
 
 
+def test_beyond_edge_continues_the_grid_at_its_ratio() -> None:
+    assert beyond_edge((0.01, 0.02, 0.04), 0.04) == 0.08
+    assert beyond_edge((0.04, 0.01, 0.02), 0.01) == 0.005  # any order: the edges are the extremes
+    assert beyond_edge((0.01, 0.02, 0.04), 0.02) is None  # inside: nothing to add
+    assert beyond_edge((1e-3, 3e-3, 1e-2), 1e-2) == 0.0333  # ratio 10/3, 3 significant digits
+    assert beyond_edge((1e-3, 3e-3, 1e-2), 1e-3) == 0.000333
+    assert beyond_edge((0.02,), 0.02) is None  # one value: no ratio
+
+
+def _fake_loss(optimizer: str, lr: float) -> float:
+    """A held-out loss with a known best lr per optimizer (see the test below)."""
+    best = {"AdamW": math.inf, "SGD": 0.5, "Muon": 2.0}.get(optimizer, 2.0)
+    return -lr if math.isinf(best) else 1.0 + math.log2(lr / best) ** 2
+
+
+@pytest.mark.parametrize("extensions", [2, 0])
+def test_grid_extends_until_the_winner_is_inside(monkeypatch: pytest.MonkeyPatch, extensions: int) -> None:
+    """Fake runs with a known loss: a winner on an edge extends its grid, at most ``grid_extensions`` times.
+
+    Grid (1, 2, 4) for each: AdamW's loss falls with lr (the largest value always wins: extended by 8 and 16,
+    then the cap stops it at the edge); SGD's best is 0.5 (extended by 0.5, which wins, then by 0.25, which
+    does not: 0.5 inside); Muon's best is 2, inside at once. The seeds and controls run at the final choice.
+    """
+    import dataclasses
+
+    import fismo_core.demo.run as run_module
+
+    def fake(spec: RunSpec) -> RunResult:
+        loss = _fake_loss(spec.optimizer, spec.lr)
+        history = History(eval_step=[0, spec.steps], train_loss=[9.0, loss], val_loss=[9.0, loss],
+                          val_acc=[0.1, 0.9])
+        return RunResult(spec.task.name, spec.optimizer, spec.lr, spec.seed, spec.steps, history, loss, 0.9, loss,
+                         False, 0.01, 0.01)
+
+    monkeypatch.setattr(run_module, "_train_one_thread", fake)
+    config = default_config(preset="tiny", tasks=("digits",), optimizers=("AdamW", "SGD", "Muon"), seeds=2, jobs=1)
+    plan = dataclasses.replace(config.plans[0], lrs={name: (1.0, 2.0, 4.0) for name in config.optimizers})
+    config = dataclasses.replace(config, plans=(plan,), grid_extensions=extensions)
+    results = run_demo(config, progress=False)
+    if extensions == 0:
+        assert results.extended == {}
+        assert {o: results.best_lr[("digits", o)] for o in config.optimizers} == {"AdamW": 4.0, "SGD": 1.0,
+                                                                                  "Muon": 2.0}
+        assert extension_note(results, "digits").startswith("No grid was extended")
+        return
+    assert results.extended == {("digits", "AdamW"): (8.0, 16.0), ("digits", "SGD"): (0.5, 0.25)}
+    assert results.grid("digits", "AdamW") == (1.0, 2.0, 4.0, 8.0, 16.0)
+    assert results.grid("digits", "SGD") == (0.25, 0.5, 1.0, 2.0, 4.0)
+    assert results.grid("digits", "Muon") == (1.0, 2.0, 4.0)
+    best = {o: results.best_lr[("digits", o)] for o in config.optimizers}
+    assert best == {"AdamW": 16.0, "SGD": 0.5, "Muon": 2.0}
+    for opt in config.optimizers:  # seed 0 at every lr of the grid, seed 1 at the selected lr only
+        runs = [r for r in results.runs if r.optimizer == opt]
+        assert sorted(r.lr for r in runs if r.seed == 0) == list(results.grid("digits", opt))
+        assert [r.lr for r in runs if r.seed == 1] == [best[opt]]
+    assert {r.lr for r in results.runs if r.optimizer in MUON_CONTROLS} == {2.0}
+    note = extension_note(results, "digits")
+    assert "AdamW by 8, 16 (selected 16, still at an edge after 2 extension(s))" in note
+    assert "SGD by 0.5, 0.25 (selected 0.5, inside)" in note and "Muon by" not in note
+    table = sweep_table(results, "digits")
+    assert "| AdamW | 1: " in table and "| **+16: -16.000** |" in table and "| +0.25: 2.000 |" in table
+    grids = {s["optimizer"]: s["lr_grid"] for s in summarise(results)}
+    assert grids["SGD"] == "+0.25 +0.5 1 2 4" and grids["Muon"] == "1 2 4" and grids["Muon-NS7"] == "Muon's"
+
+
 def test_last_line_names_only_the_files_written() -> None:
     tables = ["report.md", "summary.csv", "runs.csv", "curves.csv", "results.json"]
     line = demo.wrote_line("out", tables + ["a.png", "b.png"], 61.2, 100.4)
@@ -249,13 +394,14 @@ def test_demo_writes_every_file(tiny_run) -> None:
 
 def test_demo_saves_the_tables(tiny_run) -> None:
     out, report, _, results = tiny_run
-    controls = ["FISMO-bf16", *(["FISMO-B32", "FISMO-SI-B32"] if BLOCKS else [])]
+    controls = ["FISMO-bf16", *(["FISMO-B32", "FISMO-SI-B32", "FISMO-T-B32"] if BLOCKS else [])]
     expected = [o for o in ALL_OPTIMIZERS if o != "SOAP" or soap_available()] + list(MUON_CONTROLS) + controls
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
     digits = {r["optimizer"] for r in rows if r["task"] == "digits"}
     assert digits == set(expected)
-    assert {r["optimizer"] for r in rows if r["task"] == "text"} == {n.replace("B32", "B16") for n in expected}
+    text = {n.replace("B32", "B16") for n in expected} | set(TRAINING_ABLATIONS)  # the ablations: text only
+    assert {r["optimizer"] for r in rows if r["task"] == "text"} == text
     assert all(int(r["seeds"]) == 2 for r in rows)  # 2 seeds, the controls too
     for r in rows:  # a control runs at the selected lr of its base
         if r["lr_grid"].endswith("'s"):
@@ -269,6 +415,84 @@ def test_demo_saves_the_tables(tiny_run) -> None:
         assert "Block-diagonal factors" in report and "| FISMO-SI-B32 | 32 |" in report
     if not soap_available():
         assert "SOAP skipped" in report
+
+
+def _section(report: str, task_heading: str, title: str) -> list[list[str]]:
+    """The rows (cells) of the table that follows the paragraph starting with ``title`` in a task's section."""
+    part = report.split(task_heading, 1)[1].split("\n## ", 1)[0]
+    table = part.split(title, 1)[1].split("\n\n", 2)[1]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
+TASK_HEADINGS = {"digits": "## CNN", "text": "## GPT"}
+
+
+def test_training_table_pairs_the_seeds(tiny_run) -> None:
+    """FISMO-T against Muon-torch: each seed's losses and difference, recomputed here from the runs."""
+    _, report, _, results = tiny_run
+    for task, heading in TASK_HEADINGS.items():
+        rows = _section(report, heading, "The training configuration FISMO-T against `torch.optim.Muon`")
+        loss = {(r.optimizer, r.seed): r.final_val_loss for r in results.runs
+                if r.task == task and r.lr == results.best_lr[(task, r.optimizer)]}
+        assert [row[0] for row in rows] == ["0", "1", "mean ± std (2 seeds)"]
+        for row in rows[:2]:
+            ours, theirs = loss[("FISMO-T", int(row[0]))], loss[("Muon-torch", int(row[0]))]
+            assert row[1:] == [f"{ours:.4f}", f"{theirs:.4f}", f"{ours - theirs:+.4f}"]
+        differences = [loss[("FISMO-T", s)] - loss[("Muon-torch", s)] for s in (0, 1)]
+        mean = sum(differences) / 2
+        assert rows[2][3].startswith(f"{mean:.4f} ± ")
+
+
+def test_ablation_table_compares_each_control_with_fismo_t(tiny_run) -> None:
+    """Text: every ablation and the blocked FISMO-T, seed by seed minus FISMO-T; digits: the blocked one only."""
+    _, report, _, results = tiny_run
+    for task, heading in TASK_HEADINGS.items():
+        block = 16 if task == "text" else 32
+        names = [*([f"FISMO-T-B{block}"] if BLOCKS else []), *(TRAINING_ABLATIONS if task == "text" else ())]
+        rows = _section(report, heading, "Ablations of FISMO-T")
+        assert [row[0] for row in rows] == ["FISMO-T", *names]
+        loss = {(r.optimizer, r.seed): r.final_val_loss for r in results.runs
+                if r.task == task and r.lr == results.best_lr[(task, "FISMO-T")]}
+        for row in rows[1:]:
+            assert row[1] == ", ".join(f"{k}={v!r}" for k, v in control_change(row[0]).items())
+            assert row[2] == f"{results.best_lr[(task, 'FISMO-T')]:g}"  # the control runs at FISMO-T's lr
+            assert row[4:6] == [f"{loss[(row[0], s)] - loss[('FISMO-T', s)]:+.4f}" for s in (0, 1)]
+
+
+def test_step_times_are_recorded_and_compared_with_torch_muon(tiny_run) -> None:
+    """Every run times its steps; the optimizer step is part of the whole step; the table's ratios are to Muon-torch."""
+    _, report, _, results = tiny_run
+    for r in results.runs:
+        assert 0 < r.opt_step_seconds <= r.step_seconds < r.seconds, r
+        assert 0 <= r.opt_step_cpu_seconds <= r.step_cpu_seconds < r.cpu_seconds, r  # CPU clocks may be coarse
+    for task, heading in TASK_HEADINGS.items():
+        rows = {row[0]: row for row in _section(report, heading, "Time per training step")}
+        assert rows["Muon-torch"][2::2] == ["1.00×"] * 4
+        summary = {s["optimizer"]: s for s in summarise(results) if s["task"] == task}
+        assert set(rows) == set(summary)
+        ratio = summary["FISMO-T"]["step_seconds"] / summary["Muon-torch"]["step_seconds"]
+        assert rows["FISMO-T"][1:3] == [f"{1e3 * summary['FISMO-T']['step_seconds']:.2f}", f"{ratio:.2f}×"]
+
+
+def test_tiny_grids_are_extended_until_the_winner_is_inside(tiny_run) -> None:
+    """The rule on real runs: a grid is its plan's values and its extensions, and its winner is inside unless
+    the cap was reached; tiny's two-value grids always have their winner on an edge at first."""
+    _, report, _, results = tiny_run
+    cap = results.config.grid_extensions
+    assert results.extended  # two values per grid: every first selection is an edge
+    for plan in results.config.plans:
+        task = plan.task.name
+        for opt in results.config.optimizers:
+            if (task, opt) not in results.grids:  # skipped (SOAP without its package)
+                continue
+            added = results.extended.get((task, opt), ())
+            grid = results.grid(task, opt)
+            assert grid == tuple(sorted((*plan.lrs[opt], *added))) and len(added) <= cap
+            best = results.best_lr[(task, opt)]
+            assert grid[0] < best < grid[-1] or len(added) == cap, (task, opt, grid, best)
+            assert sorted(r.lr for r in results.runs if r.task == task and r.optimizer == opt and r.seed == 0) == \
+                list(grid)
+        assert extension_note(results, task) in report
 
 
 @pytest.mark.skipif(not BLOCKS, reason="the torch adapter has no block_size option yet")
@@ -321,8 +545,12 @@ def test_variant_moves_the_preconditioners_and_printed_does_not(tiny_run) -> Non
         if run.optimizer in ("FISMO", "FISMO-SI") or run.optimizer.startswith(("FISMO-B", "FISMO-SI-B")):
             base = "FISMO-SI" if run.optimizer.startswith("FISMO-SI") else "FISMO"
             dev.setdefault((run.task, base), []).append(max(run.history.P_dev))
+        elif run.optimizer.startswith("FISMO-T"):  # FISMO-T's statistics are scale-invariant, but in -printed
+            base = "FISMO" if run.optimizer == "FISMO-T-printed" else "FISMO-SI"
+            dev.setdefault((run.task, base), []).append(max(run.history.P_dev))
     for task in ("digits", "text"):
-        # Measured: printed ||P - I||/sqrt(m) at most 2e-4, scale-invariant at least 0.6, blocked or not.
+        # Measured over every run (sweeps included): printed ||P - I||/sqrt(m) (FISMO, its controls,
+        # FISMO-T-printed) at most 2e-3, scale-invariant (FISMO-SI, FISMO-T, their controls) at least 0.6.
         assert max(dev[(task, "FISMO")]) < 0.05
         assert min(dev[(task, "FISMO-SI")]) > 0.3
 
@@ -386,7 +614,10 @@ def test_command_line_runs_and_reports(tmp_path: Path) -> None:
         assert cli_main(argv) == 0
     payload = json.loads((tmp_path / "results.json").read_text())
     assert payload["command"] == "fismo " + " ".join(argv) and payload["preset"] == "quick"
-    assert [(r["optimizer"], r["steps"]) for r in payload["runs"]] == [("AdamW", 4)] * 3  # the quick grid
+    [grid] = payload["grids"]  # the quick grid of 3 values, and its extensions if the winner was on an edge
+    assert len(grid["lrs"]) == 3 + len(grid["extended_by"]) and set(grid["extended_by"]) <= set(grid["lrs"])
+    assert {(r["optimizer"], r["steps"]) for r in payload["runs"]} == {("AdamW", 4)}
+    assert sorted(r["lr"] for r in payload["runs"]) == grid["lrs"]
     last = printed.getvalue().strip().splitlines()[-1]
     assert last.startswith(f"Wrote {tmp_path}/report.md") and "2 PNG figures" in last, last
 

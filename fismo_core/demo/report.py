@@ -16,11 +16,22 @@ from typing import Any, Optional
 
 import torch
 
-from .optimizers import CONDITION_OPTIMIZERS, control_base
+from .optimizers import CONDITION_OPTIMIZERS, control_base, control_change
 from .run import DemoResults
 from .train import RunResult
 
-__all__ = ["Summary", "digest", "digest_key", "environment", "summarise", "write_report"]
+__all__ = [
+    "Summary",
+    "ablation_table",
+    "digest",
+    "digest_key",
+    "environment",
+    "extension_note",
+    "summarise",
+    "timing_table",
+    "training_table",
+    "write_report",
+]
 
 _COLOURS = {
     "FISMO": "tab:red",
@@ -32,7 +43,13 @@ _COLOURS = {
     "SGD": "tab:gray",
     "SOAP": "tab:green",
     "FISMO-bf16": "tab:pink",
+    "FISMO-T": "tab:olive",
+    "Muon-torch": "midnightblue",
 }
+#: The per-step times a run records (`RunResult`'s fields), in seconds.
+_STEP_TIMES = ("step_seconds", "step_cpu_seconds", "opt_step_seconds", "opt_step_cpu_seconds")
+#: The training configuration and the optimizer it is compared with, at its defaults.
+TRAINING, MUON_TORCH = "FISMO-T", "Muon-torch"
 #: Line styles of the blocked controls in the blocking figure, by block size rank (smallest first).
 _BLOCK_STYLES = ("--", ":", "-.")
 
@@ -98,6 +115,12 @@ def _controls(results: DemoResults, task: Optional[str] = None) -> list[str]:
     return names
 
 
+def _grid_text(results: DemoResults, task: str, optimizer: str) -> str:
+    """The swept learning rates, ascending; values added by a grid extension marked ``+``."""
+    added = results.extended.get((task, optimizer), ())
+    return " ".join(f"+{lr:g}" if lr in added else f"{lr:g}" for lr in results.grid(task, optimizer))
+
+
 def summarise(results: DemoResults) -> list[Summary]:
     """One row per task and optimizer or control (selected lr, all seeds): final losses, accuracy, mean ± std."""
     rows = []
@@ -109,11 +132,13 @@ def summarise(results: DemoResults) -> list[Summary]:
             mean, std = _mean_std(val)
             acc = [r.final_val_acc for r in runs if not math.isnan(r.final_val_acc)]
             acc_mean, acc_std = _mean_std(acc)
+            swept = opt in plan.lrs
+            times = {k: statistics.fmean(getattr(r, k) for r in runs) if runs else math.nan for k in _STEP_TIMES}
             rows.append(
                 Summary(
                     task=task,
                     optimizer=opt,
-                    lr_grid=" ".join(f"{lr:g}" for lr in plan.lrs[opt]) if opt in plan.lrs else f"{control_base(opt)}'s",
+                    lr_grid=_grid_text(results, task, opt) if swept else f"{control_base(opt)}'s",
                     lr=results.best_lr[(task, opt)],
                     seeds=len(runs),
                     val_loss_mean=mean,
@@ -125,6 +150,7 @@ def summarise(results: DemoResults) -> list[Summary]:
                     val_acc=_pm(acc) if acc else "–",
                     seconds_per_run=statistics.fmean(r.seconds for r in runs) if runs else math.nan,
                     cpu_seconds_per_run=statistics.fmean(r.cpu_seconds for r in runs) if runs else math.nan,
+                    **times,
                 )
             )
     return rows
@@ -155,17 +181,33 @@ def summary_table(results: DemoResults, task: str) -> str:
 
 def sweep_table(results: DemoResults, task: str) -> str:
     """Final held-out loss of every sweep run (seed 0); the selected lr in bold."""
-    plan = next(p for p in results.config.plans if p.task.name == task)
-    width = max(len(plan.lrs[o]) for o in _optimizers(results))
+    width = max(len(results.grid(task, o)) for o in _optimizers(results))
     body = []
     for opt in _optimizers(results):
         cells = []
-        for lr in plan.lrs[opt]:
+        for lr in results.grid(task, opt):
             run = next(r for r in results.runs if r.task == task and r.optimizer == opt and r.lr == lr and r.seed == 0)
-            cell = f"{lr:g}: {_fmt(run.final_val_loss)}"
+            added = "+" if lr in results.extended.get((task, opt), ()) else ""
+            cell = f"{added}{lr:g}: {_fmt(run.final_val_loss)}"
             cells.append(f"**{cell}**" if lr == results.best_lr[(task, opt)] else cell)
         body.append([opt, *cells, *[""] * (width - len(cells))])
     return _markdown_table(["optimizer", *[f"lr {i + 1}: held-out loss" for i in range(width)]], body)
+
+
+def extension_note(results: DemoResults, task: str) -> str:
+    """Which grids of ``task`` were extended beyond an edge that the selection landed on, with what."""
+    grids = [(opt, lrs) for (t, opt), lrs in results.extended.items() if t == task]
+    cap = results.config.grid_extensions
+    if not grids:
+        return f"No grid was extended: every selected learning rate lies inside its grid (up to {cap} extensions)."
+    parts = []
+    for opt, lrs in grids:
+        selected = results.best_lr[(task, opt)]
+        grid = results.grid(task, opt)
+        where = "inside" if grid[0] < selected < grid[-1] else f"still at an edge after {len(lrs)} extension(s)"
+        parts.append(f"{opt} by {', '.join(f'{lr:g}' for lr in lrs)} (selected {selected:g}, {where})")
+    return (f"Grids extended beyond the edge the selection landed on (marked + above; at most {cap} values "
+            f"per grid): {'; '.join(parts)}.")
 
 
 def condition_table(results: DemoResults, task: str) -> str:
@@ -219,7 +261,7 @@ def _difference(results: DemoResults, task: str, name: str, base: str) -> str:
 
 
 def blocking_table(results: DemoResults, task: str) -> str:
-    """Full FISMO and FISMO-SI against their blocked controls (same lr, same seeds) and Muon.
+    """Full FISMO, FISMO-SI and FISMO-T against their blocked controls (same lr, same seeds) and Muon.
 
     The difference column is paired by seed: each seed's blocked loss minus
     the same seed's full-factor loss, mean ± std over seeds.
@@ -228,7 +270,7 @@ def blocking_table(results: DemoResults, task: str) -> str:
     shapes = _matrix_shapes(results, task)
     rows = {s["optimizer"]: s for s in summarise(results) if s["task"] == task}
     body = []
-    for base in ("FISMO", "FISMO-SI"):
+    for base in ("FISMO", "FISMO-SI", TRAINING):
         blocked = sorted((c for c in controls if control_base(c) == base and _block_size(c)), key=_block_size,
                          reverse=True)
         if base not in rows or not blocked:
@@ -273,10 +315,87 @@ def bf16_table(results: DemoResults, task: str) -> str:
     return _markdown_table(header, body)
 
 
-def preconditioner_table(results: DemoResults, task: str) -> str:
-    """FISMO's preconditioners as printed and scale-invariant (seed 0, selected lr), read from ``state[p]``."""
+def _by_seed(results: DemoResults, task: str, name: str) -> dict[int, float]:
+    """Final held-out loss of each seed of ``name`` at its selected lr (a diverged run: infinity)."""
+    return {r.seed: r.final_val_loss for r in _selected(results, task, name)}
+
+
+def _signed(x: float) -> str:
+    return "diverged" if not math.isfinite(x) else f"{x:+.4f}"
+
+
+def training_table(results: DemoResults, task: str) -> str:
+    """FISMO-T against ``torch.optim.Muon`` at its defaults, seed by seed (same initial weights and batches).
+
+    One row per seed: both held-out losses and FISMO-T's minus Muon-torch's
+    (negative: FISMO-T is better); the last row, mean ± std over seeds.
+    Empty when either was not run.
+    """
+    ours, theirs = _by_seed(results, task, TRAINING), _by_seed(results, task, MUON_TORCH)
+    seeds = sorted(set(ours) & set(theirs))
+    if not seeds:
+        return ""
+    body = [[str(seed), _fmt(ours[seed], 4), _fmt(theirs[seed], 4), _signed(ours[seed] - theirs[seed])]
+            for seed in seeds]
+    body.append([f"mean ± std ({len(seeds)} seeds)", _pm([ours[s] for s in seeds], 4),
+                 _pm([theirs[s] for s in seeds], 4), _difference(results, task, TRAINING, MUON_TORCH)])
+    lrs = f"(lr {results.best_lr[(task, TRAINING)]:g})", f"(lr {results.best_lr[(task, MUON_TORCH)]:g})"
+    header = ["seed", f"{TRAINING} {lrs[0]}", f"{MUON_TORCH} {lrs[1]}", f"{TRAINING} minus {MUON_TORCH}"]
+    return _markdown_table(header, body)
+
+
+def ablation_table(results: DemoResults, task: str) -> str:
+    """Each control of FISMO-T (one setting changed, same lr and seeds) against FISMO-T, seed by seed.
+
+    A column per seed holds the control's held-out loss minus FISMO-T's
+    (positive: FISMO-T's own setting helps); the last column is their
+    mean ± std. Empty when FISMO-T has no control on ``task``.
+    """
+    controls = [c for c in _controls(results, task) if control_base(c) == TRAINING]
+    base = _by_seed(results, task, TRAINING)
+    if not controls or not base:
+        return ""
+    seeds = sorted(base)
+    body = [[TRAINING, "–", f"{results.best_lr[(task, TRAINING)]:g}",
+             _pm(list(base.values()), 4), *["0"] * len(seeds), "0"]]
+    for name in controls:
+        losses = _by_seed(results, task, name)
+        change = ", ".join(f"{k}={v!r}" for k, v in control_change(name).items())
+        cells = [_signed(losses[s] - base[s]) if s in losses else "–" for s in seeds]
+        body.append([name, change, f"{results.best_lr[(task, name)]:g}", _pm(list(losses.values()), 4), *cells,
+                     _difference(results, task, name, TRAINING)])
+    header = ["optimizer", "changed setting", "lr", "held-out loss", *[f"minus {TRAINING}, seed {s}" for s in seeds],
+              "mean ± std"]
+    return _markdown_table(header, body, "ll" + "r" * (len(header) - 2))
+
+
+def timing_table(results: DemoResults, task: str) -> str:
+    """Time per training step of every optimizer and control, wall and CPU, and its ratio to Muon-torch's.
+
+    Means over the seeds at the selected lr of each run's mean step (its
+    measurements and evaluations left out, see `fismo_core.demo.train`):
+    the whole step (forward, backward, optimizer step) and the optimizer step
+    alone. Empty when Muon-torch was not run or no time was recorded.
+    """
+    rows = {s["optimizer"]: s for s in summarise(results) if s["task"] == task}
+    reference = rows.get(MUON_TORCH)
+    if reference is None or not all(math.isfinite(reference[k]) and reference[k] > 0 for k in _STEP_TIMES):
+        return ""
     body = []
-    for opt in ("FISMO", "FISMO-SI"):
+    for name, s in sorted(rows.items(), key=lambda item: item[1]["step_seconds"]):
+        cells = []
+        for key in ("step_seconds", "step_cpu_seconds", "opt_step_seconds", "opt_step_cpu_seconds"):
+            cells += [f"{1e3 * s[key]:.2f}", f"{s[key] / reference[key]:.2f}×"]
+        body.append([name, *cells])
+    header = ["optimizer", "ms / step", f"vs {MUON_TORCH}", "CPU ms / step", f"vs {MUON_TORCH}",
+              "opt.step ms", f"vs {MUON_TORCH}", "opt.step CPU ms", f"vs {MUON_TORCH}"]
+    return _markdown_table(header, body)
+
+
+def preconditioner_table(results: DemoResults, task: str) -> str:
+    """FISMO's preconditioners as printed, scale-invariant and in FISMO-T (seed 0, selected lr), from ``state[p]``."""
+    body = []
+    for opt in ("FISMO", "FISMO-SI", TRAINING):
         runs = [r for r in _selected(results, task, opt) if r.seed == 0]
         if not runs or not runs[0].history.cond_P:
             continue
@@ -359,7 +478,7 @@ def _plot_blocks(results: DemoResults, task: str, title: str, path: Path) -> Non
     controls = _controls(results, task)
     sizes = sorted({b for c in controls if (b := _block_size(c))})
     fig, ax = plt.subplots(figsize=(6.0, 3.8), constrained_layout=True)
-    for base in ("FISMO", "FISMO-SI", "Muon"):
+    for base in ("FISMO", "FISMO-SI", TRAINING, "Muon"):
         names = [base] + ([f"{base}-B{b}" for b in sizes] if base != "Muon" else [])
         for name in names:
             runs = [r for r in _selected(results, task, name) if not r.diverged]
@@ -404,7 +523,7 @@ def _plot_preconditioners(results: DemoResults, task: str, title: str, path: Pat
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(12.0, 3.3), constrained_layout=True)
-    for opt in ("FISMO", "FISMO-SI"):
+    for opt in ("FISMO", "FISMO-SI", TRAINING):
         runs = [r for r in _selected(results, task, opt) if r.seed == 0]
         if not runs or not runs[0].history.cond_P:
             continue
@@ -421,7 +540,8 @@ def _plot_preconditioners(results: DemoResults, task: str, title: str, path: Pat
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{title}: FISMO's preconditioners, printed vs scale-invariant statistics (seed 0)", fontsize=10)
+    fig.suptitle(f"{title}: FISMO's preconditioners, printed vs scale-invariant statistics, and {TRAINING} (seed 0)",
+                 fontsize=10)
     _save(fig, path)
 
 
@@ -496,7 +616,7 @@ def digest(results: DemoResults) -> str:
     and CPU kernels) give the same digest; it is the quick way to compare a
     fresh run with a published one of the same key.
     """
-    timing = {"seconds", "cpu_seconds"}
+    timing = {"seconds", "cpu_seconds", *_STEP_TIMES}
     runs = sorted(results.runs, key=lambda r: (r.task, r.optimizer, r.lr, r.seed))
     payload = [{k: v for k, v in r.to_dict().items() if k not in timing} for r in runs]
     text = json.dumps({"best_lr": sorted((t, o, lr) for (t, o), lr in results.best_lr.items()), "runs": payload},
@@ -573,6 +693,8 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
             "",
             sweep_table(results, task),
             "",
+            extension_note(results, task),
+            "",
             "Condition number of the updates of the hidden matrices:",
             "",
             condition_table(results, task),
@@ -586,6 +708,19 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
         bf16 = bf16_table(results, task)
         if bf16:
             parts += ["", "Newton–Schulz precision (same lr and seeds):", "", bf16]
+        training = training_table(results, task)
+        if training:
+            parts += ["", f"The training configuration {TRAINING} against `torch.optim.Muon` at its defaults "
+                      f"({MUON_TORCH}), each at its selected lr, seed by seed (same initial weights and batches):",
+                      "", training]
+        ablations = ablation_table(results, task)
+        if ablations:
+            parts += ["", f"Ablations of {TRAINING}: each control changes one setting, at {TRAINING}'s lr and seeds "
+                      "(positive: the control's loss is higher, so FISMO-T's own setting helps):", "", ablations]
+        timing = timing_table(results, task)
+        if timing:
+            parts += ["", f"Time per training step (measurements and evaluations left out; mean over the seeds at "
+                      f"the selected lr), against {MUON_TORCH}:", "", timing]
         if plots:
             parts += ["", *(f"![{task} {kind}]({task}_{kind}.png)" for kind, _ in figures)]
     report = "\n".join(parts) + "\n"
@@ -593,10 +728,10 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
 
     rows = summarise(results)
     keys = ["task", "optimizer", "lr_grid", "lr", "seeds", "val_loss_mean", "val_loss_std", "val_acc_mean",
-            "val_acc_std", "seconds_per_run", "cpu_seconds_per_run"]
+            "val_acc_std", "seconds_per_run", "cpu_seconds_per_run", *_STEP_TIMES]
     _write_csv(out / "summary.csv", keys, ([s[k] for k in keys] for s in rows))
     run_keys = ["task", "optimizer", "lr", "seed", "steps", "final_val_loss", "final_val_acc", "final_train_loss",
-                "diverged", "seconds", "cpu_seconds"]
+                "diverged", "seconds", "cpu_seconds", *_STEP_TIMES]
     _write_csv(out / "runs.csv", run_keys, ([getattr(r, k) for k in run_keys] for r in results.runs))
     curve_rows = []
     for r in results.runs:
@@ -618,6 +753,8 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
         "python": sys.version,
         "skipped": results.skipped,
         "best_lr": [{"task": t, "optimizer": o, "lr": lr} for (t, o), lr in results.best_lr.items()],
+        "grids": [{"task": t, "optimizer": o, "lrs": list(lrs), "extended_by": list(results.extended.get((t, o), ()))}
+                  for (t, o), lrs in results.grids.items()],
         "runs": [r.to_dict() for r in results.runs],
     }
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))

@@ -2,12 +2,17 @@
 
 1. **Sweep** (seed 0): every optimizer at every learning rate of its grid.
 2. **Selection**: per task and optimizer, the learning rate with the lowest
-   final held-out loss (a diverged run counts as infinite loss).
+   final held-out loss (a diverged run counts as infinite loss). Where that
+   is the smallest or the largest value of the grid, the grid is extended
+   by the next value beyond that edge (`beyond_edge`), run with seed 0, and
+   the selection made again, up to ``config.grid_extensions`` times per
+   grid, so that the winner lies inside its grid.
 3. **Seeds**: the selected learning rate again with seeds ``1 .. seeds-1``
    (seed 0 is the sweep's run), plus the controls at the selected learning
    rate of the optimizer they modify, with every seed: the two Muon controls
    (7 Newton–Schulz steps; Newton–Schulz in float32) at Muon's, the blocked
-   FISMO controls at FISMO's and FISMO-SI's, ``FISMO-bf16`` at FISMO's.
+   FISMO controls at their base's (FISMO, FISMO-SI, FISMO-T), ``FISMO-bf16``
+   at FISMO's, FISMO-T's ablations at FISMO-T's.
 
 Runs are independent, so they go to ``jobs`` worker processes, each with one
 torch thread: the numbers do not depend on ``jobs``. With a journal file,
@@ -37,7 +42,7 @@ from .config import DemoConfig, TaskPlan
 from .optimizers import MUON_CONTROLS, control_base, soap_available
 from .train import History, RunResult, RunSpec, train
 
-__all__ = ["DemoResults", "cpu_seconds", "run_demo", "run_many", "worker_pool"]
+__all__ = ["DemoResults", "beyond_edge", "cpu_seconds", "run_demo", "run_many", "worker_pool"]
 
 
 @dataclass
@@ -52,6 +57,15 @@ class DemoResults:
     cpu_seconds: float = math.nan  # CPU time (user + system) of this process and its workers during the demo
     reused: int = 0  # runs taken from the journal instead of trained
     controls: dict[str, list[str]] = field(default_factory=dict)  # task -> the controls run
+    grids: dict[tuple[str, str], tuple[float, ...]] = field(default_factory=dict)  # (task, optimizer) -> lrs run
+    extended: dict[tuple[str, str], tuple[float, ...]] = field(default_factory=dict)  # -> the lrs added, in order
+
+    def grid(self, task: str, optimizer: str) -> tuple[float, ...]:
+        """The learning rates swept for ``optimizer`` on ``task``, ascending: its plan's grid and any extension."""
+        if (task, optimizer) in self.grids:
+            return self.grids[(task, optimizer)]
+        plan = next(p for p in self.config.plans if p.task.name == task)
+        return tuple(sorted(plan.lrs[optimizer]))
 
 
 def cpu_seconds() -> float:
@@ -165,6 +179,12 @@ def worker_pool(jobs: int) -> ProcessPoolExecutor:
 class _NoBar:
     """Stands in for a tqdm bar when tqdm is not installed or progress is off."""
 
+    def __init__(self, total: int = 0) -> None:
+        self.total = total
+
+    def refresh(self) -> None:
+        pass
+
     def set_postfix_str(self, *args: object, **kwargs: object) -> None:
         pass
 
@@ -183,7 +203,7 @@ def _progress_bar(total: int, enabled: bool) -> Any:
             print("fismo demo: no progress bar (pip install tqdm)", file=sys.stderr)
         else:
             return tqdm(total=total, unit="run", desc="fismo demo")
-    return _NoBar()
+    return _NoBar(total)
 
 
 def _select(runs: list[RunResult]) -> dict[tuple[str, str], float]:
@@ -194,6 +214,25 @@ def _select(runs: list[RunResult]) -> dict[tuple[str, str], float]:
         if key not in best or loss < best[key][0]:
             best[key] = (loss, r.lr)
     return {key: lr for key, (_, lr) in best.items()}
+
+
+def beyond_edge(grid: Sequence[float], selected: float) -> Optional[float]:
+    """The learning rate to run next when ``selected`` is an edge of ``grid``, else None.
+
+    Beyond the largest value ``g[-1]`` it is ``g[-1] * (g[-1] / g[-2])``,
+    beyond the smallest ``g[0] * (g[0] / g[1])``: the next value at the
+    ratio of the edge to its neighbour, rounded to 3 significant digits
+    (``0.01 * 0.01 / 0.003`` is run as 0.0333, ``0.04 * 0.04 / 0.02`` as
+    0.08). A grid of fewer than two values has no ratio, so no extension.
+    """
+    values = sorted(grid)
+    if len(values) < 2:
+        return None
+    if selected == values[-1]:
+        return float(f"{values[-1] * values[-1] / values[-2]:.3g}")
+    if selected == values[0]:
+        return float(f"{values[0] * values[0] / values[1]:.3g}")
+    return None
 
 
 def _blocks_supported() -> bool:
@@ -243,6 +282,8 @@ def run_demo(config: DemoConfig, progress: bool = True, journal: Optional[Path] 
         skipped["SOAP"] = "pytorch-optimizer is not installed (pip install pytorch-optimizer)"
 
     sweep = [_spec(plan, opt, lr, 0) for plan in config.plans for opt in optimizers for lr in plan.lrs[opt]]
+    grids = {(plan.task.name, opt): tuple(sorted(plan.lrs[opt])) for plan in config.plans for opt in optimizers}
+    extended: dict[tuple[str, str], tuple[float, ...]] = {}
     controls = {plan.task.name: _controls(config, plan, optimizers, skipped) for plan in config.plans}
     n_seed_runs = sum(len(optimizers) * (config.seeds - 1) + len(controls[p.task.name]) * config.seeds
                       for p in config.plans)
@@ -259,9 +300,23 @@ def run_demo(config: DemoConfig, progress: bool = True, journal: Optional[Path] 
         pool = stack.enter_context(worker_pool(config.jobs)) if config.jobs > 1 else None
         runs = run_many(sweep, config.jobs, done, journal, pool)
         best_lr = _select(runs)
+        plans = {plan.task.name: plan for plan in config.plans}
+        for _ in range(config.grid_extensions):  # each round extends every grid whose winner is on an edge
+            beyond = {key: lr for key, grid in grids.items() if (lr := beyond_edge(grid, best_lr[key])) is not None}
+            if not beyond:
+                break
+            extra = [_spec(plans[task], opt, lr, 0) for (task, opt), lr in beyond.items()]
+            for key, lr in beyond.items():
+                grids[key] = tuple(sorted((*grids[key], lr)))
+                extended[key] = (*extended.get(key, ()), lr)
+            bar.total += len(extra)
+            bar.refresh()
+            sweep += extra
+            runs += run_many(extra, config.jobs, done, journal, pool)
+            best_lr = _select(runs)
         repeats = _repeats(config, optimizers, controls, best_lr)
         runs += run_many(repeats, config.jobs, done, journal, pool)
     bar.close()
     reused = sum(_key(spec) in known for spec in sweep + repeats)
     return DemoResults(config, runs, best_lr, skipped, time.perf_counter() - start, cpu_seconds() - cpu_start,
-                       reused, controls)
+                       reused, controls, grids, extended)

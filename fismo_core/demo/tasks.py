@@ -105,6 +105,9 @@ class TextTask:
             yield self._windows(text, starts)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy; the bytes go to the model's device (the data stay on the CPU)."""
+        device = next(model.parameters()).device
+        x, y = x.to(device), y.to(device)
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
     @torch.no_grad()

@@ -18,6 +18,12 @@ steps (and at step 1) it also records
 
 Every number is averaged over the hidden matrices. A run whose loss becomes
 NaN or infinite stops and is marked diverged.
+
+A run also times its training steps, wall and CPU (``time.perf_counter``,
+``time.process_time``): the whole step (batch, forward, backward, optimizer
+step, scheduler) and the optimizer step alone, summed over every step and
+divided by their number; the measurements above and the evaluations are
+left out, so the times are the optimizer's cost as a user would see it.
 """
 
 from __future__ import annotations
@@ -83,6 +89,10 @@ class RunResult:
     diverged: bool
     seconds: float
     cpu_seconds: float = math.nan  # CPU time of the run's process during the run (one thread)
+    step_seconds: float = math.nan  # wall time of one training step (measurements and evaluations left out)
+    step_cpu_seconds: float = math.nan  # its CPU time
+    opt_step_seconds: float = math.nan  # wall time of the optimizer step alone, per step
+    opt_step_cpu_seconds: float = math.nan  # its CPU time
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +114,17 @@ def lr_factor(step: int, steps: int, warmup: int, final: float = 0.1) -> float:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
+
+
+def _clock() -> tuple[float, float]:
+    """Wall and CPU time now (seconds)."""
+    return time.perf_counter(), time.process_time()
+
+
+def _since(start: tuple[float, float]) -> tuple[float, float]:
+    """Wall and CPU seconds since ``start`` (from `_clock`)."""
+    wall, cpu = _clock()
+    return wall - start[0], cpu - start[1]
 
 
 def _condition(X: torch.Tensor) -> float:
@@ -187,7 +208,9 @@ def train(spec: RunSpec, progress: Optional[Any] = None) -> RunResult:
     evaluate(0, [])
     window: list[float] = []
     diverged = False
+    step_time, opt_time, timed = [0.0, 0.0], [0.0, 0.0], 0  # wall, CPU; steps timed
     for step in range(1, spec.steps + 1):
+        started = _clock()
         x, y = next(batches)
         loss = task.loss(model, x, y)
         if not torch.isfinite(loss):
@@ -196,15 +219,23 @@ def train(spec: RunSpec, progress: Optional[Any] = None) -> RunResult:
         built.zero_grad()
         loss.backward()
         window.append(loss.item())
+        forward_backward = _since(started)
         measure = step == 1 or step % spec.measure_every == 0
         if measure:
             before = [p.detach().double() for p in built.matrices]
             grads = [p.grad for p in built.matrices if p.grad is not None]
             history.grad_rms.append(_mean([(g.double().pow(2).mean().sqrt()).item() for g in grads]))
             lr_now = spec.lr * lr_factor(step - 1, spec.steps, spec.warmup)
+        started = _clock()
         built.step()
+        optimizer_step = _since(started)
         for scheduler in schedulers:
             scheduler.step()
+        whole = _since(started)
+        for i in (0, 1):
+            step_time[i] += forward_backward[i] + whole[i]
+            opt_time[i] += optimizer_step[i]
+        timed += 1
         if measure:
             kappas = [_condition((p.detach().double() - w) / lr_now) for p, w in zip(built.matrices, before)]
             history.measure_step.append(step)
@@ -233,4 +264,8 @@ def train(spec: RunSpec, progress: Optional[Any] = None) -> RunResult:
         diverged=diverged,
         seconds=time.perf_counter() - start,
         cpu_seconds=time.process_time() - cpu_start,
+        step_seconds=step_time[0] / timed if timed else math.nan,
+        step_cpu_seconds=step_time[1] / timed if timed else math.nan,
+        opt_step_seconds=opt_time[0] / timed if timed else math.nan,
+        opt_step_cpu_seconds=opt_time[1] / timed if timed else math.nan,
     )
