@@ -1,0 +1,757 @@
+"""Does FISMO's gain over Muon hold as models grow? The scaling study of issue 20, point 3.
+
+The demo's byte-level GPT (``fismo_core.demo.models.TinyGPT`` on the Python standard library's
+source, ``fismo_core.demo.tasks.TextTask``) at three sizes, each trained with a token budget that
+grows with its size:
+
+- ``FISMO-T``, the training configuration (``FISMO.training``),
+- ``Muon-torch``, ``torch.optim.Muon`` at torch's defaults but the learning rate,
+- ``AdamW`` on every parameter,
+- and at the largest size only the blocked training configuration ``FISMO-T-B<B>``.
+
+Every optimizer is tuned per size on seed 0 over a learning-rate grid of three values a factor 2
+apart. Where the lowest held-out loss lands on an edge of the grid, the next value beyond that
+edge is run and the selection made again, at most twice (``--preset``'s ``max_extensions``), so
+that the selected rate lies inside the values tried; the report says where it does not. Seeds 1
+and 2 are then run at the selected rate (seed 0 is the sweep's run). A seed fixes the initial
+weights and the order of the batches, the same for every optimizer, so the gain over Muon
+(``Muon-torch - FISMO-T`` held-out loss, nats/byte; positive means FISMO-T is better) is paired
+per seed. The schedule is the demo's (linear warm-up over 5 % of the steps, then cosine to 10 %).
+
+Each run records its final held-out loss, its parameter counts, and the mean wall and CPU
+(process) time per step of ``opt.step()`` and of the whole training step (batch, forward,
+backward, ``opt.step()``, without the held-out evaluation), over every step but the first (which
+creates the optimizer's state). Runs go to ``--jobs`` worker processes (spawned, one torch thread
+each, as in ``fismo demo``), the longest first, so the largest size's runs start early; a line on
+stderr reports each finished run with the elapsed time and an ETA.
+
+    python docs/scripts/scaling_study.py                    # the full study (the estimate is printed first)
+    python docs/scripts/scaling_study.py --preset reduced   # tiny sizes, a few steps: seconds (the tests')
+    python docs/scripts/scaling_study.py --preset gpu       # on a CUDA GPU: the largest size and a GPT-2-small shape
+    python docs/scripts/scaling_study.py --estimate-only    # time a few steps of every size and optimizer, then stop
+    python docs/scripts/scaling_study.py --report-only      # the report and plot again from DIR/results.json
+
+Outputs under ``--out`` (default ``scaling-results``): ``results.json`` (every run, the lr
+selection, the tables' numbers), ``report.md`` (tables ready for the Results page) and
+``scaling_gain.png`` (the gain against the parameter count; needs matplotlib, as the demo's
+figures). ``results.json`` is rewritten after every run; a later call with the same ``--out``
+reuses every run recorded there whose settings and library versions match (``--fresh`` ignores
+them), so an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from fismo_core.demo.optimizers import build_optimizer
+from fismo_core.demo.report import _markdown_table, _minutes, _save, environment
+from fismo_core.demo.run import cpu_seconds, worker_pool
+from fismo_core.demo.tasks import TextTask
+from fismo_core.demo.train import lr_factor
+
+#: The optimizers run at every size, in table order: the training configuration, the baseline, AdamW.
+CANDIDATE, BASELINE = "FISMO-T", "Muon-torch"
+OPTIMIZERS: tuple[str, ...] = (CANDIDATE, BASELINE, "AdamW")
+#: Factor between neighbouring values of a learning-rate grid (and of its extensions).
+GRID_FACTOR = 2.0
+#: The step times each run records (seconds per step, as ``<name>_s``), in table order.
+TIMES = ("opt_step_wall", "opt_step_cpu", "train_step_wall", "train_step_cpu")
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size: the GPT's width, depth and heads, and its number of training steps."""
+
+    name: str
+    dim: int
+    layers: int
+    heads: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A whole study: the sizes (ascending), the data, the lr grids, the seeds."""
+
+    name: str
+    sizes: tuple[Size, ...]
+    grids: Mapping[str, tuple[float, ...]]  # per optimizer of OPTIMIZERS; the blocked one uses CANDIDATE's
+    block_size: int  # of the blocked training configuration, run at the largest size only
+    batch_size: int
+    context: int
+    max_train_bytes: int
+    max_val_bytes: int
+    val_windows: int
+    pilot_steps: int  # timed steps per size and optimizer for the estimate at the start
+    adamw_lr: float = 3e-3  # the AdamW part of FISMO-T and Muon-torch (embeddings, head, norms), as the demo's text
+    seeds: int = 3
+    max_extensions: int = 2
+    device: str = "cpu"  # where the model and the optimizers' state live ("cuda": the "gpu" preset)
+
+    @property
+    def blocked(self) -> str:
+        """The blocked training configuration's name, ``FISMO-T-B<B>``."""
+        return f"{CANDIDATE}-B{self.block_size}"
+
+    def optimizers(self, size: Size) -> tuple[str, ...]:
+        """The optimizers run at ``size``: every one of ``OPTIMIZERS``, and the blocked one at the largest size."""
+        return (CANDIDATE, self.blocked, *OPTIMIZERS[1:]) if size == self.sizes[-1] else OPTIMIZERS
+
+    def grid(self, optimizer: str) -> tuple[float, ...]:
+        """The initial learning-rate grid of ``optimizer``."""
+        return self.grids[CANDIDATE if optimizer == self.blocked else optimizer]
+
+    def task(self, size: Size) -> TextTask:
+        return TextTask(batch_size=self.batch_size, context=self.context, dim=size.dim, layers=size.layers,
+                        heads=size.heads, max_train_bytes=self.max_train_bytes, max_val_bytes=self.max_val_bytes,
+                        val_windows=self.val_windows)
+
+
+#: Learning-rate grids: Muon-torch's is the demo's text grid for Muon, FISMO-T's half of it (the
+#: scale-invariant statistics take larger steps at the same lr), AdamW's around the demo's centre.
+GRIDS: dict[str, tuple[float, ...]] = {
+    "FISMO-T": (0.01, 0.02, 0.04),
+    "Muon-torch": (0.02, 0.04, 0.08),
+    "AdamW": (1.5e-3, 3e-3, 6e-3),
+}
+
+PRESETS: dict[str, Preset] = {
+    # About 43 K, 235 K and 1.06 M parameters (24x); tokens 0.41 M, 0.61 M and 0.82 M (batch 32 x context 64).
+    # B = 64 splits every side of the largest size's matrices (128, 384 and 512). (A first version had L with
+    # 6 layers and 800 steps: about 90 CPU-minutes for L alone, more than the 2-core budget allows.)
+    "full": Preset(
+        name="full",
+        sizes=(Size("S", 32, 2, 2, 200), Size("M", 64, 4, 4, 300), Size("L", 128, 5, 4, 400)),
+        grids=GRIDS, block_size=64, batch_size=32, context=64, max_train_bytes=2_000_000,
+        max_val_bytes=200_000, val_windows=512, pilot_steps=10,
+    ),
+    # Point 6 of issue 20, on a GPU (needs CUDA): the full preset's largest size again, and a GPT-2-small-shaped
+    # model (12 layers, d = 768, 12 heads; about 86 M parameters) for a short fixed budget of 300 steps.
+    # B = 384 splits every side of the larger model's matrices (768, 2304 and 3072).
+    "gpu": Preset(
+        name="gpu",
+        sizes=(Size("L", 128, 5, 4, 400), Size("GPT2-small", 768, 12, 12, 300)),
+        grids=GRIDS, block_size=384, batch_size=32, context=64, max_train_bytes=2_000_000,
+        max_val_bytes=200_000, val_windows=512, pilot_steps=10, device="cuda",
+    ),
+    # Every code path in seconds: the tests' preset (B = 16 splits 32, 96 and 128).
+    "reduced": Preset(
+        name="reduced",
+        sizes=(Size("XS", 8, 1, 2, 6), Size("S", 16, 1, 2, 8), Size("M", 32, 2, 2, 10)),
+        grids=GRIDS, block_size=16, batch_size=8, context=16, max_train_bytes=100_000,
+        max_val_bytes=20_000, val_windows=16, pilot_steps=2,
+    ),
+}
+
+
+def check_preset(preset: Preset) -> None:
+    """Raise ``ValueError`` naming the problem unless ``preset`` is a study this script can run."""
+    if not preset.sizes:
+        raise ValueError(f"preset {preset.name!r}: sizes is empty")
+    for size in preset.sizes:
+        if size.steps < 2 or size.dim % size.heads:
+            raise ValueError(f"preset {preset.name!r}, size {size.name}: needs steps >= 2 and dim a multiple of heads")
+    for optimizer in OPTIMIZERS:
+        grid = preset.grids.get(optimizer)
+        if grid is None or len(grid) < 3:
+            raise ValueError(f"preset {preset.name!r}: the lr grid of {optimizer} needs at least 3 values, got {grid}")
+        if any(not math.isclose(b / a, GRID_FACTOR) for a, b in zip(grid, grid[1:])):
+            raise ValueError(f"preset {preset.name!r}: the lr grid of {optimizer} must be ascending, a factor "
+                             f"{GRID_FACTOR:g} apart, got {grid}")
+    if preset.seeds < 1 or preset.max_extensions < 0:
+        raise ValueError(f"preset {preset.name!r}: needs seeds >= 1 and max_extensions >= 0")
+
+
+# ----------------------------------------------------------------------------- the lr search
+@dataclass
+class LrSearch:
+    """The learning-rate selection of one size and optimizer on seed 0.
+
+    The initial ``grid`` first; when every value tried has a loss and the lowest is at the
+    smallest or largest value tried, :meth:`extension` is the next value beyond that edge
+    (``GRID_FACTOR`` away), at most ``max_extensions`` times. A diverged run counts as an
+    infinite loss; ties go to the smaller learning rate.
+    """
+
+    grid: tuple[float, ...]
+    max_extensions: int
+    losses: dict[float, float] = field(default_factory=dict)
+    tried: list[float] = field(default_factory=list)  # in the order proposed: the grid, then the extensions
+
+    def __post_init__(self) -> None:
+        self.tried = list(self.grid)
+
+    def record(self, lr: float, loss: Optional[float]) -> None:
+        if lr not in self.tried:
+            raise ValueError(f"lr {lr!r} was not proposed by this search (tried: {self.tried})")
+        self.losses[lr] = math.inf if loss is None or not math.isfinite(loss) else loss
+
+    @property
+    def complete(self) -> bool:
+        """Whether every value tried so far has its loss."""
+        return all(lr in self.losses for lr in self.tried)
+
+    @property
+    def best(self) -> float:
+        return min(self.losses, key=lambda lr: (self.losses[lr], lr))
+
+    @property
+    def inside(self) -> bool:
+        """Whether the selected lr lies strictly between the smallest and largest value tried."""
+        return min(self.tried) < self.best < max(self.tried)
+
+    @property
+    def extensions(self) -> int:
+        return len(self.tried) - len(self.grid)
+
+    def extension(self) -> Optional[float]:
+        """The next value to try, proposed once (``None`` while incomplete, or when the search is over)."""
+        if not self.complete or self.inside or self.extensions >= self.max_extensions:
+            return None
+        lr = max(self.tried) * GRID_FACTOR if self.best == max(self.tried) else min(self.tried) / GRID_FACTOR
+        self.tried.append(lr)
+        return lr
+
+    @property
+    def done(self) -> bool:
+        return self.complete and (self.inside or self.extensions >= self.max_extensions)
+
+    def summary(self) -> dict[str, Any]:
+        return {"grid": list(self.grid), "tried": list(self.tried),
+                "losses": {repr(lr): _finite_or_none(self.losses[lr]) for lr in sorted(self.losses)},
+                "best_lr": self.best, "inside": self.inside, "extensions": self.extensions}
+
+
+def _finite_or_none(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
+# ------------------------------------------------------------------------------ one run
+@dataclass(frozen=True)
+class StudyRun:
+    """One training run: a size's task, an optimizer at one learning rate, one seed."""
+
+    size: str
+    task: TextTask
+    optimizer: str
+    lr: float
+    seed: int
+    steps: int
+    warmup: int
+    adamw_lr: float
+    device: str = "cpu"
+
+    def key(self) -> str:
+        """What identifies the run in ``results.json``: every setting and the versions of the code that trains it."""
+        from fismo_core import __version__
+
+        settings = asdict(self)
+        if settings["device"] == "cpu":  # the CPU runs' keys predate the device field
+            del settings["device"]
+        return json.dumps({**settings, "fismo": __version__, "torch": torch.__version__}, sort_keys=True)
+
+    def label(self) -> str:
+        return f"{self.size} {self.optimizer} lr={self.lr:g} seed {self.seed}"
+
+
+def parameter_counts(task: TextTask) -> tuple[int, int]:
+    """``(all parameters, hidden-matrix parameters)`` of ``task``'s model (the matrices FISMO and Muon step)."""
+    model = task.model()
+    matrices = build_optimizer("AdamW", model, 1e-3, 1e-3).matrices
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in matrices)
+
+
+def train_run(run: StudyRun) -> dict[str, Any]:
+    """Train one run on one torch thread; return its final held-out loss and its step times.
+
+    The loop is ``fismo_core.demo.train.train``'s without its measurements (which would
+    add to the step time): the same seeding, batches, optimizers and schedule.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(run)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(run: StudyRun) -> dict[str, Any]:
+    start, cpu_start = time.perf_counter(), time.process_time()
+    task = run.task
+    torch.manual_seed(run.seed)
+    model = task.model().to(run.device)  # initialised on the CPU: the same weights on every device
+    batches = task.batches(torch.Generator().manual_seed(run.seed))
+    cuda = torch.device(run.device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # so that the step times include the GPU's work
+    built = build_optimizer(run.optimizer, model, run.lr, run.adamw_lr)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, run.steps, run.warmup))
+                  for opt in built]
+    totals = {"opt_step_wall": 0.0, "opt_step_cpu": 0.0, "train_step_wall": 0.0, "train_step_cpu": 0.0}
+    losses: list[float] = []
+    diverged = False
+    for step in range(1, run.steps + 1):
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        x, y = next(batches)
+        loss = task.loss(model, x, y)
+        if not torch.isfinite(loss):
+            diverged = True
+            break
+        built.zero_grad()
+        loss.backward()
+        sync()
+        wall1, cpu1 = time.perf_counter(), time.process_time()
+        built.step()
+        sync()
+        wall2, cpu2 = time.perf_counter(), time.process_time()
+        for scheduler in schedulers:
+            scheduler.step()
+        losses.append(loss.item())
+        if step > 1:  # the first step creates the optimizers' state
+            totals["opt_step_wall"] += wall2 - wall1
+            totals["opt_step_cpu"] += cpu2 - cpu1
+            totals["train_step_wall"] += wall2 - wall0
+            totals["train_step_cpu"] += cpu2 - cpu0
+    val_loss = math.nan
+    if not diverged:
+        model.eval()
+        val_loss = task.evaluate(model)[0]
+        diverged = not math.isfinite(val_loss)
+    timed = max(0, len(losses) - 1)
+    n_all, n_matrices = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in built.matrices)
+    tail = losses[-max(1, len(losses) // 10):] if losses else []
+    return {
+        "key": run.key(), "size": run.size, "optimizer": run.optimizer, "lr": run.lr, "seed": run.seed,
+        "steps": run.steps, "parameters": n_all, "matrix_parameters": n_matrices,
+        "final_val_loss": None if diverged else val_loss,
+        "final_train_loss": statistics.fmean(tail) if tail and not diverged else None,  # mean of the last 10 %
+        "diverged": diverged,
+        "timed_steps": timed, **{f"{name}_s": total / max(1, timed) for name, total in totals.items()},
+        "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start,
+    }
+
+
+# ------------------------------------------------------------------------------ the study
+def _runs_of(preset: Preset) -> list[tuple[Size, str]]:
+    return [(size, opt) for size in preset.sizes for opt in preset.optimizers(size)]
+
+
+def _study_run(preset: Preset, size: Size, optimizer: str, lr: float, seed: int) -> StudyRun:
+    return StudyRun(size=size.name, task=preset.task(size), optimizer=optimizer, lr=lr, seed=seed,
+                    steps=size.steps, warmup=max(1, size.steps // 20), adamw_lr=preset.adamw_lr,
+                    device=preset.device)
+
+
+class _Executor:
+    """``jobs`` spawned worker processes, or (``jobs <= 1``) this process, behind one ``submit``."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = max(1, jobs)
+        self.pool = worker_pool(self.jobs) if self.jobs > 1 else None
+
+    def submit(self, run: StudyRun) -> Future:
+        if self.pool is not None:
+            return self.pool.submit(train_run, run)
+        future: Future = Future()
+        future.set_result(train_run(run))
+        return future
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def _clock(seconds: float) -> str:
+    whole = max(0, round(seconds))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+def pilot(preset: Preset, executor: _Executor,
+          log: Callable[[str], None]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Seconds of a whole run per size and optimizer, from ``pilot_steps`` timed steps: by wall time and by CPU time.
+
+    The CPU-time figure is what an otherwise idle machine would take (on a machine shared with
+    other work the wall times are longer, the CPU times hardly change).
+    """
+    specs = [replace(_study_run(preset, size, opt, preset.grid(opt)[1], 0), steps=preset.pilot_steps + 1)
+             for size, opt in reversed(_runs_of(preset))]
+    futures = [executor.submit(run) for run in specs]
+    by_wall: dict[str, dict[str, float]] = {}
+    by_cpu: dict[str, dict[str, float]] = {}
+    for (size, opt), future in zip(reversed(_runs_of(preset)), futures):
+        r = future.result()
+        for estimates, kind in ((by_wall, "wall"), (by_cpu, "cpu")):
+            per_step = r[f"train_step_{kind}_s"]
+            total = r["seconds"] if kind == "wall" else r["cpu_seconds"]
+            overhead = total - preset.pilot_steps * per_step  # building, the first step, the evaluation
+            estimates.setdefault(size.name, {})[opt] = overhead + size.steps * per_step
+        log(f"pilot {size.name} {opt}: {1e3 * r['train_step_wall_s']:.1f} ms per training step "
+            f"({1e3 * r['opt_step_wall_s']:.1f} ms opt.step), CPU {1e3 * r['train_step_cpu_s']:.1f} ms "
+            f"({1e3 * r['opt_step_cpu_s']:.1f} ms), over {preset.pilot_steps} steps")
+    return by_wall, by_cpu
+
+
+def estimate_wall(preset: Preset, estimates: Mapping[str, Mapping[str, float]], jobs: int) -> float:
+    """Wall seconds of the study without grid extensions: total work over ``jobs``, or its longest chain."""
+    work = sum((len(preset.grid(opt)) + preset.seeds - 1) * estimates[size.name][opt] for size, opt in _runs_of(preset))
+    chain = max((2 if preset.seeds > 1 else 1) * estimates[size.name][opt] for size, opt in _runs_of(preset))
+    return max(work / max(1, jobs), chain)
+
+
+def _estimate_line(preset: Preset, by_wall: Mapping[str, Mapping[str, float]],
+                   by_cpu: Mapping[str, Mapping[str, float]], jobs: int) -> str:
+    n_runs = sum(len(preset.grid(o)) + preset.seeds - 1 for _, o in _runs_of(preset))
+    return (f"estimated wall time of preset {preset.name!r}: {_minutes(estimate_wall(preset, by_wall, jobs))} "
+            f"({_minutes(estimate_wall(preset, by_cpu, jobs))} from the pilot's CPU times, on an otherwise idle "
+            f"machine) for {n_runs} runs on {max(1, jobs)} jobs without grid extensions (one extension adds one "
+            "run of its size and optimizer)")
+
+
+def load_results(path: Path) -> dict[str, dict[str, Any]]:
+    """The runs recorded in a ``results.json`` by key (empty when there is none or it cannot be read)."""
+    try:
+        doc = json.loads(path.read_text())
+        return {r["key"]: r for r in doc["runs"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    """Write atomically, so that an interrupted study never leaves a cut file behind."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def run_study(preset: Preset, out: Path, jobs: int = 2, *, resume: bool = True, command: str = "",
+              log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Run (or resume) the study ``preset`` into ``out/results.json``; returns the final document."""
+    check_preset(preset)
+    start, cpu_start = time.perf_counter(), cpu_seconds()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    cached = load_results(path) if resume else {}
+    searches = {(size.name, opt): LrSearch(preset.grid(opt), preset.max_extensions) for size, opt in _runs_of(preset)}
+    doc: dict[str, Any] = {
+        "study": "scaling", "preset": preset.name, "command": command, "complete": False,
+        "config": _config(preset), "environment": environment(), "jobs": max(1, jobs), "runs": [],
+    }
+    executor = _Executor(jobs)
+    try:
+        estimates, by_cpu = pilot(preset, executor, log)
+        doc["estimate_seconds"] = estimate_wall(preset, estimates, jobs)
+        log(_estimate_line(preset, estimates, by_cpu, jobs)
+            + (f"; {len(cached)} runs recorded in {path} are reused where they match" if cached else ""))
+        _execute(preset, executor, searches, cached, estimates, doc, path, log, start)
+    finally:
+        executor.close()
+    doc.update(summarise(preset, searches, doc["runs"]))
+    doc.update({"complete": True, "seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu_start})
+    _write_json(path, doc)
+    return doc
+
+
+def _execute(preset: Preset, executor: _Executor, searches: dict[tuple[str, str], LrSearch],
+             cached: Mapping[str, dict[str, Any]], estimates: Mapping[str, Mapping[str, float]],
+             doc: dict[str, Any], path: Path, log: Callable[[str], None], start: float) -> None:
+    """Schedule the runs: the sweeps, their extensions, then the seeds; longest first, ``jobs`` at a time."""
+    sizes = {size.name: size for size in preset.sizes}
+    ready = [_study_run(preset, size, opt, lr, 0) for size, opt in _runs_of(preset) for lr in preset.grid(opt)]
+    running: dict[Future, tuple[StudyRun, float]] = {}
+    seen: dict[str, int] = {}  # trained and reused runs, for the progress line
+    ratio = {"actual": 0.0, "estimated": 0.0}  # measured over estimated seconds of the runs trained so far
+
+    def estimate(run: StudyRun) -> float:
+        return estimates[run.size][run.optimizer]
+
+    def remaining() -> tuple[int, float]:
+        """Runs still planned (without future extensions) and their estimated seconds of one job."""
+        pending = [(run, 0.0) for run in ready] + [(run, time.perf_counter() - t) for run, t in running.values()]
+        seconds = sum(max(0.0, estimate(run) - elapsed) for run, elapsed in pending)
+        count = len(pending)
+        for (size, opt), search in searches.items():
+            if not search.done:
+                count += preset.seeds - 1
+                seconds += (preset.seeds - 1) * estimates[size][opt]
+        return count, seconds
+
+    def finished(run: StudyRun, result: dict[str, Any], reused: bool) -> None:
+        doc["runs"].append(result)
+        _write_json(path, doc)
+        seen["reused" if reused else "trained"] = seen.get("reused" if reused else "trained", 0) + 1
+        if not reused:
+            ratio["actual"] += result["seconds"]
+            ratio["estimated"] += estimate(run)
+        if run.seed == 0:
+            search = searches[(run.size, run.optimizer)]
+            search.record(run.lr, result["final_val_loss"])
+            if search.complete:
+                extension = search.extension()
+                if extension is not None:
+                    ready.append(_study_run(preset, sizes[run.size], run.optimizer, extension, 0))
+                elif search.done:
+                    ready.extend(_study_run(preset, sizes[run.size], run.optimizer, search.best, seed)
+                                 for seed in range(1, preset.seeds))
+        count, seconds = remaining()
+        scale = ratio["actual"] / ratio["estimated"] if ratio["estimated"] > 0 else 1.0
+        done = sum(seen.values())
+        loss = "diverged" if result["diverged"] else f"held-out {result['final_val_loss']:.4f}"
+        how = "reused" if reused else f"{result['seconds']:.0f} s"
+        log(f"[{done}/{done + count}] {run.label()}: {loss} ({how}); elapsed {_clock(time.perf_counter() - start)}, "
+            f"ETA {_clock(scale * seconds / executor.jobs)}")
+
+    while ready or running:
+        while ready and len(running) < executor.jobs:
+            ready.sort(key=estimate)
+            run = ready.pop()  # the longest first
+            if run.key() in cached:
+                finished(run, cached[run.key()], reused=True)
+                continue
+            running[executor.submit(run)] = (run, time.perf_counter())
+        if running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                run, _ = running.pop(future)
+                finished(run, future.result(), reused=False)
+    doc["trained"], doc["reused"] = seen.get("trained", 0), seen.get("reused", 0)
+
+
+def _config(preset: Preset) -> dict[str, Any]:
+    config = asdict(preset)
+    config["grids"] = {opt: list(preset.grid(opt)) for opt in (CANDIDATE, preset.blocked, *OPTIMIZERS[1:])}
+    config["sizes"] = []
+    for size in preset.sizes:
+        n_all, n_matrices = parameter_counts(preset.task(size))
+        config["sizes"].append({**asdict(size), "parameters": n_all, "matrix_parameters": n_matrices,
+                                "tokens": size.steps * preset.batch_size * preset.context,
+                                "optimizers": list(preset.optimizers(size))})
+    return config
+
+
+# ------------------------------------------------------------------------------ summaries
+def summarise(preset: Preset, searches: Mapping[tuple[str, str], LrSearch],
+              runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The tables' numbers: lr selection, losses per seed, gains over Muon-torch, step times against it."""
+    tuning: dict[str, dict[str, Any]] = {}
+    losses: dict[str, dict[str, Any]] = {}
+    gain: dict[str, dict[str, Any]] = {}
+    timing: dict[str, dict[str, Any]] = {}
+    for size in preset.sizes:
+        tuning[size.name], losses[size.name], timing[size.name] = {}, {}, {}
+        for opt in preset.optimizers(size):
+            search = searches[(size.name, opt)]
+            tuning[size.name][opt] = search.summary()
+            selected = {r["seed"]: r for r in runs if r["size"] == size.name and r["optimizer"] == opt
+                        and r["lr"] == search.best}
+            losses[size.name][opt] = {"lr": search.best,
+                                      "seeds": {str(s): selected[s]["final_val_loss"] for s in sorted(selected)}}
+            own = [r for r in runs if r["size"] == size.name and r["optimizer"] == opt and r["timed_steps"] > 0]
+            timing[size.name][opt] = {name: statistics.median(r[f"{name}_s"] for r in own) if own else math.nan
+                                      for name in TIMES}
+        base = losses[size.name][BASELINE]["seeds"]
+        gain[size.name] = {}
+        for opt in (CANDIDATE, preset.blocked):
+            if opt in losses[size.name]:
+                mine = losses[size.name][opt]["seeds"]
+                gain[size.name][opt] = {seed: (base[seed] - mine[seed]
+                                               if base.get(seed) is not None and mine.get(seed) is not None else None)
+                                        for seed in base}
+        for opt, times in timing[size.name].items():
+            times.update({f"{name}_vs_muon": times[name] / timing[size.name][BASELINE][name] for name in TIMES})
+    return {"tuning": tuning, "losses": losses, "gain": gain, "timing": timing}
+
+
+# ------------------------------------------------------------------------------ report and plot
+def _loss(x: Optional[float]) -> str:
+    return "diverged" if x is None else f"{x:.4f}"
+
+
+def _signed(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:+.4f}"
+
+
+def markdown_report(doc: Mapping[str, Any]) -> str:
+    """The study's tables, ready for the Results page, from a finished ``results.json`` document."""
+    config = doc["config"]
+    sizes = config["sizes"]
+    seeds = [str(s) for s in range(config["seeds"])]
+    trained = sum(r["seconds"] for r in doc["runs"])
+    load = f"; load average at the end {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    parts = [
+        f"# Scaling study: {CANDIDATE} against torch.optim.Muon as the GPT grows (preset {doc['preset']!r})",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Wall time: {_minutes(doc['seconds'])} on {doc['jobs']} jobs{load}; CPU time {doc['cpu_seconds']:.0f} s; "
+        f"{len(doc['runs'])} runs ({doc.get('reused', 0)} reused from an earlier call), their own wall time adds up "
+        f"to {_minutes(trained)}.  ",
+        f"{doc['environment']}.",
+        "",
+        "## Sizes",
+        "",
+        _markdown_table(
+            ["size", "d", "layers", "heads", "parameters", "matrix parameters", "steps", "tokens", "optimizers"],
+            [[s["name"], s["dim"], s["layers"], s["heads"], f"{s['parameters']:,}", f"{s['matrix_parameters']:,}",
+              s["steps"], f"{s['tokens']:,}", ", ".join(s["optimizers"])] for s in sizes], "lrrrrrrrl"),
+        "",
+        f"Batch {config['batch_size']} windows of {config['context']} bytes; warm-up 5 % of the steps, then cosine "
+        f"to 10 %; AdamW part of {CANDIDATE} and {BASELINE} at lr {config['adamw_lr']:g}; held-out loss over "
+        f"{config['val_windows']} windows at the end.",
+        "",
+        "## Learning-rate selection (seed 0)",
+        "",
+        _markdown_table(
+            ["size", "optimizer", "lrs tried: held-out loss", "selected", "inside"],
+            [[size, opt, ", ".join(f"{float(lr):g}: {_loss(loss)}" for lr, loss in t["losses"].items()),
+              f"{t['best_lr']:g}", "yes" if t["inside"] else f"no ({t['extensions']} extensions)"]
+             for size, per in doc["tuning"].items() for opt, t in per.items()], "llllr"),
+        "",
+        "## Held-out loss at the end of training (nats/byte)",
+        "",
+        _markdown_table(
+            ["size", "parameters", "optimizer", "lr", *(f"seed {s}" for s in seeds), "mean"],
+            [[size["name"], f"{size['parameters']:,}", opt, f"{entry['lr']:g}",
+              *(_loss(entry["seeds"].get(s)) for s in seeds), _loss(_mean(entry["seeds"].values()))]
+             for size in sizes for opt, entry in doc["losses"][size["name"]].items()], "llll" + "r" * (len(seeds) + 1)),
+        "",
+        f"## Gain over {BASELINE} ({BASELINE} − {CANDIDATE} held-out loss, nats/byte; positive: {CANDIDATE} better)",
+        "",
+        _markdown_table(
+            ["size", "parameters", "optimizer", *(f"seed {s}" for s in seeds), "mean", "better on"],
+            [[size["name"], f"{size['parameters']:,}", opt, *(_signed(g.get(s)) for s in seeds),
+              _signed(_mean(g.values())), f"{sum(1 for x in g.values() if x is not None and x > 0)}/{len(g)} seeds"]
+             for size in sizes for opt, g in doc["gain"][size["name"]].items()], "lrl" + "r" * (len(seeds) + 2)),
+        "",
+        f"## Time per step against {BASELINE}",
+        "",
+        "Mean over each run's steps but its first, median over the runs of the size and optimizer (sweep and "
+        f"seeds, run {doc['jobs']} at a time, one torch thread each). CPU is the run's process time.",
+        "",
+        _markdown_table(
+            ["size", "optimizer", "opt.step wall ms", "× Muon", "opt.step CPU ms", "× Muon",
+             "training step wall ms", "× Muon", "training step CPU ms", "× Muon"],
+            [[size, opt, *_time_cells(t)] for size, per in doc["timing"].items() for opt, t in per.items()],
+            "ll" + "r" * 8),
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _time_cells(times: Mapping[str, float]) -> list[str]:
+    """Milliseconds and the ratio to Muon-torch of each of ``TIMES``."""
+    return [cell for name in TIMES for cell in (f"{1e3 * times[name]:.1f}", f"{times[f'{name}_vs_muon']:.2f}")]
+
+
+def _mean(values: Any) -> Optional[float]:
+    """The mean, or None when a value is missing (a diverged run)."""
+    values = list(values)
+    return statistics.fmean(values) if values and None not in values else None
+
+
+def plot_gain(doc: Mapping[str, Any], path: Path) -> bool:
+    """Plot the gain over Muon-torch against the parameter count (per seed, and the mean) to ``path``.
+
+    Returns False, writing nothing, where matplotlib is not installed (as the demo's figures).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parameters = {s["name"]: s["parameters"] for s in doc["config"]["sizes"]}
+    fig, ax = plt.subplots(figsize=(5.6, 3.8), constrained_layout=True)
+    ax.axhline(0.0, color="0.5", linewidth=0.8)
+    styles = {CANDIDATE: ("C0", "o")}
+    for opt in sorted({opt for per in doc["gain"].values() for opt in per}, key=lambda o: o != CANDIDATE):
+        color, marker = styles.get(opt, ("C1", "s"))
+        xs, means = [], []
+        for size, per in doc["gain"].items():
+            gains = [g for g in per.get(opt, {}).values() if g is not None]
+            if not gains:
+                continue
+            ax.scatter([parameters[size]] * len(gains), gains, color=color, marker=marker, alpha=0.35, s=18)
+            xs.append(parameters[size])
+            means.append(statistics.fmean(gains))
+        ax.plot(xs, means, color=color, marker=marker, markersize=8, label=f"{opt} (mean; small: seeds)")
+    for size in doc["gain"]:
+        ax.annotate(size, (parameters[size], 0.0), textcoords="offset points", xytext=(0, 4), ha="center",
+                    fontsize=8, color="0.4")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(f"{BASELINE} − optimizer held-out loss (nats/byte)")
+    ax.set_title("Gain over torch.optim.Muon as the GPT grows")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    return True
+
+
+def write_outputs(doc: Mapping[str, Any], out: Path) -> tuple[str, list[str]]:
+    """``report.md`` and ``scaling_gain.png`` from a finished document; returns the report and the files written."""
+    report = markdown_report(doc)
+    written = ["results.json", "report.md"]
+    if plot_gain(doc, out / "scaling_gain.png"):
+        written.append("scaling_gain.png")
+    else:
+        report += "\n**Figure skipped**: matplotlib is not installed (pip install matplotlib).\n"
+    (out / "report.md").write_text(report)
+    return report, written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="default: %(default)s")
+    parser.add_argument("--out", type=Path, default=Path("scaling-results"),
+                        help="output folder (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel worker processes (default: %(default)s)")
+    parser.add_argument("--fresh", action="store_true", help="train every run again, ignoring DIR/results.json")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="time pilot steps (one run at a time), print the estimate for --jobs, stop")
+    parser.add_argument("--pilot-steps", type=int, help="timed steps per size and optimizer for the estimate")
+    parser.add_argument("--report-only", action="store_true", help="write report.md and the plot from DIR/results.json")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.pilot_steps is not None and args.pilot_steps < 1:
+        parser.error(f"--pilot-steps must be at least 1, got {args.pilot_steps}")
+    preset = PRESETS[args.preset]
+    if preset.device.startswith("cuda") and not args.report_only and not torch.cuda.is_available():
+        parser.error(f"preset {preset.name!r} runs on {preset.device!r}, but torch sees no CUDA device")
+    if args.pilot_steps is not None:
+        preset = replace(preset, pilot_steps=args.pilot_steps)
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.report_only:
+        doc = json.loads((args.out / "results.json").read_text())
+        if not doc.get("complete"):
+            parser.error(f"{args.out / 'results.json'} is not a finished study; run it (it resumes) first")
+    elif args.estimate_only:  # the pilot one run at a time, so that its runs do not share the cores
+        executor = _Executor(1)
+        try:
+            by_wall, by_cpu = pilot(preset, executor, log)
+        finally:
+            executor.close()
+        print(_estimate_line(preset, by_wall, by_cpu, args.jobs))
+        return 0
+    else:
+        command = " ".join(["python docs/scripts/scaling_study.py", *(argv if argv is not None else sys.argv[1:])])
+        doc = run_study(preset, args.out, args.jobs, resume=not args.fresh, command=command, log=log)
+    report, written = write_outputs(doc, args.out)
+    print(report)
+    print(f"Wrote {', '.join(f'{args.out}/{name}' for name in written)} in {_minutes(doc['seconds'])}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
