@@ -23,9 +23,11 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "asv_benchmarks"))
 from benchmarks.bench_overhead import (  # noqa: E402
     OVERHEAD_CONFIGS,
+    TRAINING_OPTIMIZERS,
     OpCounter,
     count_steps,
     matrices_with_grads,
+    text_gpt_training,
 )
 
 aten = torch.ops.aten
@@ -147,3 +149,58 @@ def test_a_steps_count_is_steady_from_the_second_step_and_does_not_depend_on_the
         small, large = by_scale[16][step], by_scale[8][step]
         assert small.ops == large.ops
         assert [r.op for r in small.host_reads] == [r.op for r in large.host_reads]
+
+
+# ------------------------------------------- the training step of the text GPT (docs/scripts/overhead.py --training-step)
+def test_the_training_step_compares_the_training_configuration_with_muon_on_the_same_split():
+    """Both runs: the same model, the same matrices to the matrix optimizer, the rest to AdamW at its defaults."""
+    from fismo_core.backends.torch import FISMO
+
+    runs = {name: text_gpt_training(name, dim=32, layers=2) for name in TRAINING_OPTIMIZERS}
+    muon, adamw = runs["muon"][2]
+    (fismo,) = runs["fismo-t"][2]
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(fismo, FISMO)
+    matrices, rest = fismo.param_groups
+    assert [p.shape for p in matrices["params"]] == [p.shape for p in muon.param_groups[0]["params"]]
+    assert [p.shape for p in rest["params"]] == [p.shape for p in adamw.param_groups[0]["params"]]
+    # The training configuration (issue 20's decisions), and torch.optim.AdamW's defaults on the rest.
+    assert (matrices["statistics"], matrices["nesterov"], matrices["weight_decay"]) == ("scale_invariant", True, 0.1)
+    assert matrices["inv_root"]["every"] == 10 and matrices["polar"]["dtype"] == "bfloat16"
+    reference = torch.optim.AdamW([torch.zeros(1)]).defaults
+    assert rest["algorithm"] == "adamw"
+    assert all(rest[k] == reference[k] for k in ("lr", "betas", "eps", "weight_decay"))
+    # One training step of each moves every parameter it owns.
+    for forward_backward, step, optimizers in runs.values():
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        before = [p.detach().clone() for p in params]
+        forward_backward()
+        step()
+        assert all(not torch.equal(b, p) for b, p in zip(before, params))
+
+
+def test_the_finiteness_check_passes_over_the_tensor_twice():
+    """``guards.all_finite`` reads the whole tensor in two ops, ``X * 0`` and its sum (``isfinite``
+    then acts on the sum only), where ``all(isfinite(X))`` takes five (torch's ``isfinite`` is four
+    elementwise passes); it is the adapter's check of every gradient and parameter under
+    ``nonfinite="raise"``."""
+    from array_api_compat import torch as xp
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fismo_core.guards import all_finite
+
+    class WholeTensorOps(TorchDispatchMode):
+        def __init__(self, size):
+            super().__init__()
+            self.size, self.count = size, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += any(isinstance(a, torch.Tensor) and a.numel() == self.size for a in args)
+            return func(*args, **(kwargs or {}))
+
+    X = torch.randn(8, 16)
+    with WholeTensorOps(X.numel()) as new:
+        all_finite(xp, X)
+    with WholeTensorOps(X.numel()) as old:
+        torch.isfinite(X).all()
+    assert new.count == 2 and old.count > new.count  # 5 in torch 2.13

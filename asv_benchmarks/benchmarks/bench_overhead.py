@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import statistics
 import sys
 import sysconfig
 import time
@@ -430,6 +431,84 @@ def small_gpt_times(configs: list[str], *, compiled: bool, repeats: int) -> tupl
             if result.step is not None:
                 fns[f"{name} compiled"] = result.step
     return interleaved_medians(fns, repeats), compiled_steps
+
+
+# ------------------------------------------- the training step of the demo's text GPT
+#: ``(dim, layers)`` of the whole-step timings: the demo's text GPT (``TextTask``: d = 64, 2 layers)
+#: and the sizes of the scaling study (issue 20, point 3).
+TRAINING_STEP_SIZES = [(64, 2), (32, 2), (64, 4), (128, 5)]
+#: The optimizers of the whole-step timings: ``torch.optim.Muon`` at its defaults and the training
+#: configuration, ``fismo_core.backends.torch.FISMO.training`` at its (Muon's) defaults; both with
+#: ``torch.optim.AdamW`` at its defaults on the rest (embeddings, norms, biases, the head).
+TRAINING_OPTIMIZERS = {"muon": "torch.optim.Muon (defaults) + AdamW", "fismo-t": "FISMO.training (defaults) + AdamW"}
+
+
+def text_gpt_training(optimizer: str, dim: int = 64, layers: int = 2, seed: int = 0) -> tuple[Callable, Callable, list]:
+    """``(forward_backward, step, optimizers)`` of one training step of the demo's byte-level GPT.
+
+    The model is ``fismo_core.demo.tasks.TextTask(dim=dim, layers=layers).model()`` on a fixed batch
+    of random bytes (32 windows of 64); ``forward_backward`` zeroes the gradients and computes them,
+    ``step`` steps every optimizer. ``optimizer`` is an id of `TRAINING_OPTIMIZERS`; the matrices are
+    split from the rest by ``param_groups``, the same split for both.
+    """
+    torch_device("cpu")
+    from fismo_core.backends.torch import FISMO, param_groups
+    from fismo_core.demo.tasks import TextTask
+
+    torch.manual_seed(seed)
+    task = TextTask(dim=dim, layers=layers)
+    model = task.model()
+    groups = param_groups(model)
+    matrices, rest = groups[0]["params"], groups[1]["params"]
+    if optimizer == "muon":
+        optimizers = [torch.optim.Muon(matrices), torch.optim.AdamW(rest)]
+    elif optimizer == "fismo-t":
+        optimizers = [FISMO.training(groups)]  # its "adamw" group has torch.optim.AdamW's defaults
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r}: one of {list(TRAINING_OPTIMIZERS)}")
+    gen = torch.Generator().manual_seed(seed)
+    x, y = (torch.randint(0, 256, (task.batch_size, task.context), generator=gen) for _ in range(2))
+
+    def forward_backward() -> None:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        task.loss(model, x, y).backward()
+
+    def step() -> None:
+        for opt in optimizers:
+            opt.step()
+
+    return forward_backward, step, optimizers
+
+
+def training_step_times(dim: int, layers: int, repeats: int, cycle: int = 10) -> dict[str, float]:
+    """Median seconds per step of ``"<optimizer> whole"`` (forward, backward and ``opt.step``) and
+    ``"<optimizer> step"`` (``opt.step`` alone) for every optimizer of `TRAINING_OPTIMIZERS`.
+
+    One sample is a cycle of ``cycle`` training steps (the training configuration recomputes its
+    roots on one step in 10), divided by its length; the optimizers take their cycles in turn
+    (A B A B ...), ``repeats`` each, after two warm-up cycles; medians of the samples.
+    """
+    runs = {name: text_gpt_training(name, dim, layers)[:2] for name in TRAINING_OPTIMIZERS}
+    for forward_backward, step in runs.values():
+        for _ in range(2 * cycle):
+            forward_backward()
+            step()
+    samples: dict[str, list[float]] = {f"{name} {part}": [] for name in runs for part in ("whole", "step")}
+    for _ in range(repeats):
+        for name, (forward_backward, step) in runs.items():
+            whole = stepping = 0.0
+            for _ in range(cycle):
+                start = time.perf_counter()
+                forward_backward()
+                middle = time.perf_counter()
+                step()
+                end = time.perf_counter()
+                whole += end - start
+                stepping += end - middle
+            samples[f"{name} whole"].append(whole / cycle)
+            samples[f"{name} step"].append(stepping / cycle)
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 # ------------------------------------------------------------------ benchmarks

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from fismo_core import FISMO
+from fismo_core.optimizer import TRAINING, training_options
 from fismo_core.perf import step_flops
 from fismo_core.testing import targets
 
@@ -97,6 +98,19 @@ MODEL_ANCHORS = ANCHORS + ["scalable-shampoo", "heavyball-soap", "heavyball-klsh
 #: Steps per call of the amortised optimizers (a whole cycle, so that a call's time is typical).
 CYCLE = {"eigh-every10": 10, "soap": 10, "heavyball-soap": 2, "heavyball-klshampoo": 2}
 
+#: The training configuration ("FISMO-T": ``FISMO.training()``, roots every 10 steps) as the torch
+#: optimizer runs it, the polar factor in bfloat16 (``torch.optim.Muon``'s convention), blocked:
+#: "training-B768". "-bf16mm" also takes the preconditioners' products in bfloat16
+#: (``inv_root={"matmul_dtype": "bfloat16"}``). Its default ``nonfinite="raise"`` is kept (the
+#: finiteness check and the roots' checks, with their host reads). One call is a cycle of 10 steps.
+TRAINING_BLOCK_SIZES = [512, 768, 1024]
+for _B in TRAINING_BLOCK_SIZES:
+    VARIANTS[f"training-B{_B}"] = training_options(TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B})
+    VARIANTS[f"training-B{_B}-bf16mm"] = training_options(
+        TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B, "inv_root": {"matmul_dtype": "bfloat16"}}
+    )
+    CYCLE[f"training-B{_B}"] = CYCLE[f"training-B{_B}-bf16mm"] = TRAINING["inv_root"]["every"]
+
 #: ``FISMO_ASV_SMOKE=1`` shrinks the grid to one small shape per backend: CI's smoke run.
 SMOKE = os.environ.get("FISMO_ASV_SMOKE") == "1"
 if SMOKE:
@@ -108,6 +122,7 @@ if SMOKE:
 #: The FISMO configurations of the model sets: full (exact roots, no host reads) and blocked with
 #: each block size, each with the polar iteration in float32 and in bfloat16.
 MODEL_VARIANTS = ["eigh", "eigh-bf16"] + [f"eigh-B{B}" for B in BLOCK_SIZES] + [f"eigh-B{B}-bf16" for B in BLOCK_SIZES]
+MODEL_VARIANTS += [f"training-B{B}{suffix}" for B in TRAINING_BLOCK_SIZES for suffix in ("", "-bf16mm")]
 if SMOKE:
     MODEL_VARIANTS = ["eigh-B32"]
     MODEL_ANCHORS = ["muon-float32"]

@@ -20,6 +20,14 @@
     python docs/scripts/overhead.py --no-gpt              # the counts only (seconds)
     python docs/scripts/overhead.py --no-gpt --verify-scale 1   # and again at GPT-2's full size, compared (long)
     python docs/scripts/overhead.py --no-compile          # the small GPT eager only
+    python docs/scripts/overhead.py --training-step --threads 1   # 4. only (about 5 minutes)
+
+4. (``--training-step``) The whole training step (forward, backward and ``opt.step``) of the demo's
+   text GPT (``TextTask``: d = 64, 2 layers) and of the scaling study's sizes (d = 32 with 2
+   layers, 64 with 4, 128 with 6), the training configuration ``FISMO.training`` against
+   ``torch.optim.Muon``, both at their defaults with ``torch.optim.AdamW`` on the rest; the whole
+   step and ``opt.step`` alone, medians of interleaved 10-step cycles in one process
+   (``training_step_times`` of ``asv_benchmarks/benchmarks/bench_overhead.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ from benchmarks.bench_overhead import (  # noqa: E402
     count_steps,
     small_gpt_optimizer,
     small_gpt_times,
+    TRAINING_STEP_SIZES,
+    training_step_times,
 )
 
 #: Phases of a step by the function of the core or the adapter that dispatched the op: the
@@ -310,6 +320,24 @@ def profile_section(configs: list[str], steps: int = 20, top: int = 4) -> None:
     print()
 
 
+def training_step_section(repeats: int) -> None:
+    """The whole training step of the text GPT at each size, the training configuration against Muon."""
+    print(f"## The training step of the text GPT: FISMO.training against torch.optim.Muon (CPU, "
+          f"{torch.get_num_threads()} thread(s), medians of {repeats} interleaved 10-step cycles; ms per step)\n")
+    rows = []
+    for dim, layers in TRAINING_STEP_SIZES:
+        t = training_step_times(dim, layers, repeats)
+        rows.append([
+            f"d = {dim}, {layers} layers", f"{t['muon whole'] * 1e3:.1f}", f"{t['fismo-t whole'] * 1e3:.1f}",
+            f"**{t['fismo-t whole'] / t['muon whole']:.2f}**", f"{t['muon step'] * 1e3:.2f}",
+            f"{t['fismo-t step'] * 1e3:.2f}", f"{t['fismo-t step'] / t['muon step']:.2f}",
+        ])
+        print(f"<!-- d = {dim}, {layers} layers done, load {os.getloadavg()[0]:.1f} -->", flush=True)
+    print(table(["model", "Muon: whole step", "FISMO-T: whole step", "whole step / Muon", "Muon: opt.step",
+                 "FISMO-T: opt.step", "opt.step / Muon"], rows))
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(OVERHEAD_CONFIGS), choices=list(OVERHEAD_CONFIGS),
@@ -326,9 +354,14 @@ def main() -> None:
     parser.add_argument("--verify-scale", type=int, default=None,
                         help="count again with sides divided by this (1: GPT-2's full size) and compare")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--training-step", action="store_true",
+                        help="only the whole training step of the text GPT, FISMO.training against Muon (4.)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.training_step:
+        training_step_section(max(3, args.repeats // 2))
+        return
     configs = list(dict.fromkeys(["muon", *args.configs]))
     breakdown = [c for c in args.breakdown if c in configs]
     os.chdir(ROOT)  # call sites relative to the repository

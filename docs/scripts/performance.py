@@ -71,6 +71,12 @@ for _B in (256, 512, 768, 1024):
     LABELS[f"newton_schulz-B{_B}"] = f"FISMO blocked, B = {_B}, Newton–Schulz roots"
 LABELS.update({
     "eigh-bf16": "FISMO exact, bf16 polar",
+    "training-B512": "FISMO-T (training configuration), B = 512, bf16 polar",
+    "training-B512-bf16mm": "FISMO-T, B = 512, bf16 polar and bf16 products",
+    "training-B768": "FISMO-T (training configuration), B = 768, bf16 polar",
+    "training-B1024": "FISMO-T (training configuration), B = 1024, bf16 polar",
+    "training-B768-bf16mm": "FISMO-T, B = 768, bf16 polar and bf16 products",
+    "training-B1024-bf16mm": "FISMO-T, B = 1024, bf16 polar and bf16 products",
     "scalable-shampoo": "ScalableShampoo (pytorch-optimizer, blocks of 512)",
     "heavyball-soap": "SOAP (heavyball)",
     "heavyball-klshampoo": "KL-Shampoo (heavyball)",
@@ -464,10 +470,67 @@ def section_threads(repeats: int) -> None:
     print()
 
 
+#: The training configuration's approximations whose effect on the direction the "deviation" section
+#: measures, as overrides of ``FISMO.training`` (float32 on torch, as the torch optimizer runs it).
+TRAINING_DEVIATIONS = {
+    "roots every 10 (float32, float32 polar)": {},
+    "roots every 10, bf16 polar (FISMO-T)": {"polar": {"dtype": "bfloat16"}},
+    "roots every 10, bf16 polar, bf16 products": {"polar": {"dtype": "bfloat16"},
+                                                   "inv_root": {"matmul_dtype": "bfloat16"}},
+    "roots every step, bf16 polar": {"polar": {"dtype": "bfloat16"}, "inv_root": {"every": 1}},
+    "roots every step, bf16 polar and products": {"polar": {"dtype": "bfloat16"},
+                                                  "inv_root": {"every": 1, "matmul_dtype": "bfloat16"}},
+}
+
+
+def training_directions(stream: list, dtype, **overrides) -> list:
+    """``FISMO.training(**overrides)``'s direction ``dW_t`` along a gradient stream, in torch ``dtype``."""
+    import numpy as np
+    import torch
+
+    opt = FISMO.training(**overrides)
+    state = opt.init(torch.zeros(stream[0].shape, dtype=dtype))
+    out = []
+    for G in stream:
+        d, state = opt.direction(torch.from_numpy(G).to(dtype), state)
+        out.append(d.double().numpy())
+    return out
+
+
+def section_training_deviation(steps: int, block_size: int = 192) -> None:
+    """The training configuration's direction against the exact one (roots every step, float64)
+    along a recorded gradient stream: that of ``docs/scripts/block_deviation.py`` (TinyGPT with
+    d = 192, GPT-2's matrices / 4, so ``block_size=192`` stands for GPT-2's 768)."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(ROOT / "docs" / "scripts"))
+    from block_deviation import MATRICES, record_gradients, relative
+
+    grads = record_gradients(steps)
+    late = max(1, min(50, steps // 4))
+    print(f"### The training configuration's direction against the exact one (B = {block_size}, {steps} steps)\n")
+    print(f"| matrix (GPT-2 twin) | configuration | deviation: median | max | median, last {late} steps |")
+    print("|---|---|---|---|---|")
+    for name, (_, twin) in MATRICES.items():
+        stream = grads[name]
+        m, n = stream[0].shape
+        exact = training_directions(stream, torch.float64, block_size=block_size, inv_root={"every": 1})
+        for label, overrides in TRAINING_DEVIATIONS.items():
+            dev = relative(training_directions(stream, torch.float32, block_size=block_size, **overrides), exact)
+            print(f"| {m}×{n} ({twin}) | {label} | {np.median(dev):.2g} | {dev.max():.2g} "
+                  f"| {np.median(dev[-late:]):.2g} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot", "models", "threads"])
+    parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot", "models", "threads",
+                                           "deviation"])
+    parser.add_argument("--steps", type=int, default=100, help="deviation section: steps of the gradient stream")
+    parser.add_argument("--block", type=int, nargs="+", default=[192, 128],
+                        help="deviation section: block sizes (192 and 128 stand for GPT-2's 768 and 512)")
     parser.add_argument("--model", nargs="+", default=PAGE_MODELS, choices=list(MODEL_SETS),
                         help="models section: which model sets (default: %(default)s)")
     parser.add_argument("--names", nargs="+", default=MODEL_VARIANTS + MODEL_ANCHORS,
@@ -490,6 +553,7 @@ def main() -> None:
         "steps": lambda: section_steps(args.repeats),
         "plot": lambda: section_plot(args.repeats),
         "threads": lambda: section_threads(args.repeats),
+        "deviation": lambda: [section_training_deviation(args.steps, B) for B in args.block],
         "models": lambda: (section_model_memory(), print_model_tables(args.device), plot_models(args.device))
         if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device)),
     }
