@@ -394,12 +394,11 @@ def test_statistics_rescaling_is_bit_for_bit_neutral(target: Target, monkeypatch
     for opt in (FISMO(), FISMO(polar="svd", inv_root="newton_schulz")):
         W, state, _ = _run(opt, target, W0, grads)
 
-        def no_scale(X):
-            xp = fl.array_namespace(X)
-            return xp.ones((*X.shape[:-2], 1, 1), dtype=X.dtype, device=fl.device(X))
+        def no_scale(amax):  # _pow2_of underlies every power-of-two scale (_pow2_scale calls it)
+            return fl.array_namespace(amax).ones_like(amax)
 
         with monkeypatch.context() as patch:
-            patch.setattr(fl, "_pow2_scale", no_scale)
+            patch.setattr(fl, "_pow2_of", no_scale)
             W_unscaled, state_unscaled, _ = _run(opt, target, W0, grads)
         assert np.array_equal(W, W_unscaled)
         for f in ARRAY_FIELDS:
@@ -413,7 +412,7 @@ def test_without_rescaling_huge_float32_gradients_break(monkeypatch: pytest.Monk
     G = (1e30 * np.random.default_rng(8).standard_normal((6, 6))).astype(np.float32)
     opt = FISMO()
     W = np.zeros((6, 6), np.float32)
-    monkeypatch.setattr(fl, "_pow2_scale", lambda X: np.ones((*X.shape[:-2], 1, 1), dtype=X.dtype))
+    monkeypatch.setattr(fl, "_pow2_of", np.ones_like)  # every power-of-two scale (_pow2_scale calls it)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.warns(InverseRootWarning):
@@ -801,9 +800,13 @@ def test_inverse_sqrt_property(target64: Target, d: int, log10_cond: float, seed
        seed=st.integers(0, 2**32 - 1))
 def test_polar_property(target64: Target, m: int, n: int, log10_cond: float, log10_scale: float, seed: int) -> None:
     """SVD polar factor of random rectangular matrices of any scale (1e-30 to 1e30) and condition
-    number up to 1e8: orthonormal (``U^T U = I`` on the short side) to 20 eps, and
-    ``Polar(X)^T X`` symmetric positive semi-definite (it is ``V S V^T``).
-    Bounds: SVD factors are orthonormal to a few eps (measured <= 3 eps); 20 eps."""
+    number up to 1e8: orthonormal (``U^T U = I`` on the short side) to 40 eps, and
+    ``Polar(X)^T X`` symmetric (to 100 eps) positive semi-definite (to 20 eps; it is ``V S V^T``).
+    Bounds: the SVD is backward stable, ``U S V^T = X + E`` with ``||E|| ~ p(m, n) eps ||X||``, so
+    the polar factor of ``X + E`` leaves ``Polar^T X`` asymmetric by ``~2 ||E||``. Measured over
+    1,500 random cases of these sides (numpy, torch, JAX; every OpenBLAS kernel this AMD CPU runs)
+    and 3,000 of sides up to 16 (numpy):
+    orthonormality <= 13.5 eps, asymmetry <= 42 eps, smallest eigenvalue >= -2.1 eps."""
     rng = np.random.default_rng(seed)
     k = min(m, n)
     U, _ = np.linalg.qr(rng.standard_normal((m, k)))
@@ -815,9 +818,9 @@ def test_polar_property(target64: Target, m: int, n: int, log10_cond: float, log
     O_np = _np(O)
     eps = float(np.finfo(np.float64).eps)
     gram = O_np.T @ O_np if m >= n else O_np @ O_np.T
-    assert np.abs(gram - np.eye(k)).max() <= 20 * eps
+    assert np.abs(gram - np.eye(k)).max() <= 40 * eps
     H = O_np.T @ (X_np / 10.0**log10_scale)
-    assert np.abs(H - H.T).max() <= 20 * eps * max(1.0, np.abs(H).max())
+    assert np.abs(H - H.T).max() <= 100 * eps * max(1.0, np.abs(H).max())
     assert np.linalg.eigvalsh((H + H.T) / 2).min() >= -20 * eps
     assert np.all(np.isfinite(_np(linalg.polar(target64.asarray(X_np)))))
 
