@@ -153,7 +153,7 @@ def test_matrix_optimizers_share_one_split(model: torch.nn.Module) -> None:
         si = build_optimizer("FISMO-SI-B16", model, 0.01, 1e-3).fismo.param_groups[0]
         assert si["block_size"] == 16 and si["statistics"] == "scale_invariant"
     for bad in ("Adam", "FISMO-B0", "FISMO-B", "Muon-B32", "FISMO-fp16", "FISMO-bf16-B32", "FISMO-T-bf16",
-                "FISMO-printed", "FISMO-SI-no-wd", "FISMO-T-no-WD", "FISMO-T-every2", "FISMO-T-no-wd-B32",
+                "FISMO-printed", "FISMO-SI-no-wd", "FISMO-T-no-WD", "FISMO-T-every3", "FISMO-T-no-wd-B32",
                 "Muon-torch-B32", "FISMO-TB32"):
         with pytest.raises(ValueError, match="unknown optimizer"):
             build_optimizer(bad, model, 0.01, 1e-3)
@@ -210,7 +210,10 @@ def test_training_configuration_and_torch_muon_are_built_at_torch_defaults() -> 
 @pytest.mark.parametrize(
     ("control", "key", "value"),
     [("FISMO-T-printed", "statistics", "printed"), ("FISMO-T-no-nesterov", "nesterov", False),
-     ("FISMO-T-no-wd", "weight_decay", 0.0), ("FISMO-T-every1", "inv_root", 1), ("FISMO-T-B16", "block_size", 16)],
+     ("FISMO-T-no-wd", "weight_decay", 0.0), ("FISMO-T-every1", "inv_root", 1), ("FISMO-T-B16", "block_size", 16),
+     # docs/scripts/root_staleness.py's controls
+     ("FISMO-T-every2", "inv_root", 2), ("FISMO-T-every5", "inv_root", 5), ("FISMO-T-mu1e-2", "mu", 1e-2),
+     ("FISMO-T-mu1e-1", "mu", 1e-1)],
 )
 def test_training_controls_change_one_setting(control: str, key: str, value: object) -> None:
     """Each control of FISMO-T differs from FISMO-T in the one setting its name says, and in nothing else."""

@@ -35,7 +35,8 @@ The one naming rule of FISMO runs: ``<base>[-B<B>][-<modifier>]``, where the
 base is ``FISMO``, ``FISMO-SI`` or ``FISMO-T``, ``-B<B>`` sets
 ``block_size=B``, and the modifier is one of the table ``_MODIFIERS``
 (``bf16`` for the printed bases; ``printed``, ``no-nesterov``, ``no-wd``,
-``every1`` for FISMO-T), each one setting changed.
+``every1`` for FISMO-T, and ``every2``, ``every5``, ``mu1e-2``, ``mu1e-1``
+for ``docs/scripts/root_staleness.py``), each one setting changed.
 
 FISMO and Muon are configured identically apart from the preconditioner:
 EMA momentum 0.95 without Nesterov (Algorithm 1 has none, so Muon's
@@ -89,6 +90,11 @@ _MODIFIERS: dict[str, tuple[tuple[str, ...], dict]] = {
     "no-nesterov": (("FISMO-T",), {"nesterov": False}),
     "no-wd": (("FISMO-T",), {"weight_decay": 0.0}),
     "every1": (("FISMO-T",), {"inv_root": {"every": 1}}),
+    # The staleness study's controls (docs/scripts/root_staleness.py), not run by the demo.
+    "every2": (("FISMO-T",), {"inv_root": {"every": 2}}),
+    "every5": (("FISMO-T",), {"inv_root": {"every": 5}}),
+    "mu1e-2": (("FISMO-T",), {"mu": 1e-2}),
+    "mu1e-1": (("FISMO-T",), {"mu": 1e-1}),
 }
 
 #: The ablations of FISMO-T run on the text task, each one setting of the training configuration undone.
