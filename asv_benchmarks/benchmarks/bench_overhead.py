@@ -439,8 +439,17 @@ def small_gpt_times(configs: list[str], *, compiled: bool, repeats: int) -> tupl
 TRAINING_STEP_SIZES = [(64, 2), (32, 2), (64, 4), (128, 5)]
 #: The optimizers of the whole-step timings: ``torch.optim.Muon`` at its defaults and the training
 #: configuration, ``fismo_core.backends.torch.FISMO.training`` at its (Muon's) defaults; both with
-#: ``torch.optim.AdamW`` at its defaults on the rest (embeddings, norms, biases, the head).
-TRAINING_OPTIMIZERS = {"muon": "torch.optim.Muon (defaults) + AdamW", "fismo-t": "FISMO.training (defaults) + AdamW"}
+#: ``torch.optim.AdamW`` at its defaults on the rest (embeddings, norms, biases, the head). Both
+#: iterate in bfloat16, which CPUs without bf16 instructions (AVX2) emulate many times slower than
+#: float32, so the float32 twins are timed too: the training configuration with its polar in
+#: float32, and the same with ``gamma=1`` (``P = Q = I``: Muon with Nesterov, weight decay and its
+#: learning-rate adjustment, iterating in float32, through FISMO's code).
+TRAINING_OPTIMIZERS = {
+    "muon": "torch.optim.Muon (defaults) + AdamW",
+    "fismo-t": "FISMO.training (defaults) + AdamW",
+    "muon-fp32": "FISMO.training(gamma=1, polar float32) + AdamW: Muon in float32",
+    "fismo-t-fp32": "FISMO.training(polar float32) + AdamW",
+}
 
 
 def text_gpt_training(optimizer: str, dim: int = 64, layers: int = 2, seed: int = 0) -> tuple[Callable, Callable, list]:
@@ -464,6 +473,10 @@ def text_gpt_training(optimizer: str, dim: int = 64, layers: int = 2, seed: int 
         optimizers = [torch.optim.Muon(matrices), torch.optim.AdamW(rest)]
     elif optimizer == "fismo-t":
         optimizers = [FISMO.training(groups)]  # its "adamw" group has torch.optim.AdamW's defaults
+    elif optimizer == "fismo-t-fp32":
+        optimizers = [FISMO.training(groups, polar={"dtype": None})]
+    elif optimizer == "muon-fp32":
+        optimizers = [FISMO.training(groups, gamma=1.0, polar={"dtype": None})]
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}: one of {list(TRAINING_OPTIMIZERS)}")
     gen = torch.Generator().manual_seed(seed)

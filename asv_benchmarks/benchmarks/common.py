@@ -109,7 +109,10 @@ for _B in TRAINING_BLOCK_SIZES:
     VARIANTS[f"training-B{_B}-bf16mm"] = training_options(
         TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B, "inv_root": {"matmul_dtype": "bfloat16"}}
     )
-    CYCLE[f"training-B{_B}"] = CYCLE[f"training-B{_B}-bf16mm"] = TRAINING["inv_root"]["every"]
+    # "-fp32": the polar in the parameters' dtype, for CPUs without bfloat16 instructions (where the
+    # bf16 iteration, torch.optim.Muon's too, is emulated) and for the float32 comparison.
+    VARIANTS[f"training-B{_B}-fp32"] = training_options(TRAINING, {"block_size": _B})
+    CYCLE[f"training-B{_B}"] = CYCLE[f"training-B{_B}-bf16mm"] = CYCLE[f"training-B{_B}-fp32"] = TRAINING["inv_root"]["every"]
 
 #: ``FISMO_ASV_SMOKE=1`` shrinks the grid to one small shape per backend: CI's smoke run.
 SMOKE = os.environ.get("FISMO_ASV_SMOKE") == "1"
@@ -122,7 +125,7 @@ if SMOKE:
 #: The FISMO configurations of the model sets: full (exact roots, no host reads) and blocked with
 #: each block size, each with the polar iteration in float32 and in bfloat16.
 MODEL_VARIANTS = ["eigh", "eigh-bf16"] + [f"eigh-B{B}" for B in BLOCK_SIZES] + [f"eigh-B{B}-bf16" for B in BLOCK_SIZES]
-MODEL_VARIANTS += [f"training-B{B}{suffix}" for B in TRAINING_BLOCK_SIZES for suffix in ("", "-bf16mm")]
+MODEL_VARIANTS += [f"training-B{B}{suffix}" for B in TRAINING_BLOCK_SIZES for suffix in ("", "-bf16mm", "-fp32")]
 if SMOKE:
     MODEL_VARIANTS = ["eigh-B32"]
     MODEL_ANCHORS = ["muon-float32"]

@@ -24,8 +24,9 @@
 
 4. (``--training-step``) The whole training step (forward, backward and ``opt.step``) of the demo's
    text GPT (``TextTask``: d = 64, 2 layers) and of the scaling study's sizes (d = 32 with 2
-   layers, 64 with 4, 128 with 6), the training configuration ``FISMO.training`` against
-   ``torch.optim.Muon``, both at their defaults with ``torch.optim.AdamW`` on the rest; the whole
+   layers, 64 with 4, 128 with 5), the training configuration ``FISMO.training`` against
+   ``torch.optim.Muon``, both at their defaults with ``torch.optim.AdamW`` on the rest, and their
+   float32 twins (the polar in float32; Muon as ``FISMO.training(gamma=1)``); the whole
    step and ``opt.step`` alone, medians of interleaved 10-step cycles in one process
    (``training_step_times`` of ``asv_benchmarks/benchmarks/bench_overhead.py``).
 """
@@ -331,10 +332,12 @@ def training_step_section(repeats: int) -> None:
             f"d = {dim}, {layers} layers", f"{t['muon whole'] * 1e3:.1f}", f"{t['fismo-t whole'] * 1e3:.1f}",
             f"**{t['fismo-t whole'] / t['muon whole']:.2f}**", f"{t['muon step'] * 1e3:.2f}",
             f"{t['fismo-t step'] * 1e3:.2f}", f"{t['fismo-t step'] / t['muon step']:.2f}",
+            f"{t['fismo-t-fp32 whole'] / t['muon-fp32 whole']:.2f}", f"{t['fismo-t-fp32 step'] / t['muon-fp32 step']:.2f}",
         ])
         print(f"<!-- d = {dim}, {layers} layers done, load {os.getloadavg()[0]:.1f} -->", flush=True)
     print(table(["model", "Muon: whole step", "FISMO-T: whole step", "whole step / Muon", "Muon: opt.step",
-                 "FISMO-T: opt.step", "opt.step / Muon"], rows))
+                 "FISMO-T: opt.step", "opt.step / Muon", "float32 twins: whole step", "float32 twins: opt.step"],
+                rows))
     print()
 
 

@@ -77,6 +77,9 @@ LABELS.update({
     "training-B1024": "FISMO-T (training configuration), B = 1024, bf16 polar",
     "training-B768-bf16mm": "FISMO-T, B = 768, bf16 polar and bf16 products",
     "training-B1024-bf16mm": "FISMO-T, B = 1024, bf16 polar and bf16 products",
+    "training-B512-fp32": "FISMO-T, B = 512, float32 polar",
+    "training-B768-fp32": "FISMO-T, B = 768, float32 polar",
+    "training-B1024-fp32": "FISMO-T, B = 1024, float32 polar",
     "scalable-shampoo": "ScalableShampoo (pytorch-optimizer, blocks of 512)",
     "heavyball-soap": "SOAP (heavyball)",
     "heavyball-klshampoo": "KL-Shampoo (heavyball)",
@@ -301,19 +304,21 @@ def load_model_results() -> dict:
     return json.loads(MODEL_JSON.read_text()) if MODEL_JSON.exists() else {}
 
 
-def section_models(repeats: int, models: list, names: list, device: str) -> None:
+def section_models(repeats: int, models: list, names: list, device: str, without_torch_muon: bool = False) -> None:
     """Time ``names`` (always with the float32 Muon step and torch.optim.Muon) on each model set
     and store the medians, then print the tables from the stored results.
 
     A model's step is timed shape by shape: for each shape, the matrices of that shape (one
     batched core call for FISMO, one optimizer over those parameters for the others), all the
     optimizers interleaved; the model's step time is the sum over its shapes. Short interleaved
-    calls sample a machine whose load changes by the minute more evenly than whole-model calls."""
+    calls sample a machine whose load changes by the minute more evenly than whole-model calls.
+    ``without_torch_muon``: leave ``torch.optim.Muon`` out (on a CPU without bfloat16 instructions
+    its bfloat16 iteration is emulated, many times slower than float32)."""
     import torch
 
     results = load_model_results()
     for model in models:
-        wanted = list(dict.fromkeys(["muon-float32", "muon", *names]))
+        wanted = list(dict.fromkeys(["muon-float32", *([] if without_torch_muon else ["muon"]), *names]))
         groups: dict[tuple, list] = {}
         for shape in MODEL_SETS[model]:
             groups.setdefault(shape, []).append(shape)
@@ -538,13 +543,21 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="models section: torch device")
     parser.add_argument("--tables", action="store_true", help="models section: print the stored tables only")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--without-torch-muon", action="store_true",
+                        help="models section: time torch.optim.Muon not at all (CPUs without bfloat16 instructions)")
+    parser.add_argument("--json", type=Path, help="models section: store the rows in this file (and its plot beside it) "
+                        "instead of docs/performance/model_steps.json, e.g. for another CPU")
     args = parser.parse_args()
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.json is not None:
+        global MODEL_JSON, MODEL_PLOT
+        MODEL_JSON, MODEL_PLOT = args.json, args.json.with_name("model_step_time.png")
 
-    print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads -->\n")
+    print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()} -->\n")
     sections = {
         "memory": lambda: (section_memory(), section_flop_lines()),
         "functions": lambda: section_matrix_functions(args.repeats),
@@ -555,7 +568,7 @@ def main() -> None:
         "threads": lambda: section_threads(args.repeats),
         "deviation": lambda: [section_training_deviation(args.steps, B) for B in args.block],
         "models": lambda: (section_model_memory(), print_model_tables(args.device), plot_models(args.device))
-        if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device)),
+        if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device, args.without_torch_muon)),
     }
     for name, run in sections.items():
         if args.only == name or (args.only is None and name != "models"):
