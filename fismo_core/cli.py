@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "library's source, on the CPU and offline, with FISMO (printed and scale-invariant statistics, "
         "and the training configuration FISMO-T), Muon (configured as printed FISMO, and torch.optim.Muon at "
         "its defaults), AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
-        "condition numbers of the updates and FISMO's preconditioners. About 11 minutes and 17 CPU-minutes "
-        "on 2 cores at load 3 (--quick: about 2 CPU-minutes); see docs/results.md.",
+        "condition numbers of the updates and FISMO's preconditioners. 55 CPU-minutes on an AVX2 CPU without "
+        "bfloat16 instructions (--quick: 7 CPU-minutes); see docs/results.md.",
     )
     demo.add_argument("--out", default="fismo-results", help="output directory (default fismo-results/)")
     demo.add_argument("--quick", action="store_true", help="fewer steps and seeds: about 2 CPU-minutes")
