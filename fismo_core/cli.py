@@ -37,10 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and the training configuration FISMO-T), Muon (configured as printed FISMO, and torch.optim.Muon at "
         "its defaults), AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
         "condition numbers of the updates and FISMO's preconditioners. 55 CPU-minutes on an AVX2 CPU without "
-        "bfloat16 instructions (--quick: 7 CPU-minutes); see docs/results.md.",
+        "bfloat16 instructions (--quick: 6 CPU-minutes); see docs/results.md.",
     )
     demo.add_argument("--out", default="fismo-results", help="output directory (default fismo-results/)")
-    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds: about 2 CPU-minutes")
+    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: about 6 CPU-minutes (3 minutes on 2 idle cores)")
     demo.add_argument("--tasks", default="digits,text", help="comma-separated: digits, text (default both)")
     demo.add_argument(
         "--optimizers",
