@@ -18,7 +18,7 @@ def test_readme_starts_with_main_job_and_test_commands() -> None:
     assert len(commands) >= 2, "README must open with the main-job and test commands"
     main_job, tests = commands[0], commands[1]
     assert main_job.endswith("fismo demo")
-    assert tests.endswith("python -m pytest")
+    assert re.search(r"python -m pytest( -n auto --dist loadfile)?$", tests)
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
