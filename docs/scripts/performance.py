@@ -440,7 +440,7 @@ def plot_models(device: str) -> None:
     suffix = "" if device == "cpu" else f"_{device}"
     out = MODEL_PLOT.with_name(f"model_step_time{suffix}.png")
     fig.savefig(out, dpi=110)
-    print(f"<!-- plot written to {out.relative_to(ROOT)} -->\n")
+    print(f"<!-- plot written to {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} -->\n")  # --json may point elsewhere
 
 
 def section_threads(repeats: int) -> None:
