@@ -34,6 +34,8 @@ from ._torch_distributed import is_dtensor, validate_dtensor
 CORE_DEFAULTS = _CoreFISMO()
 _POLAR_FIELDS = {f.name for f in dataclasses.fields(PolarConfig)}
 _INV_ROOT_FIELDS = {f.name for f in dataclasses.fields(InverseRootConfig)}
+_POLAR_ORDER = tuple(sorted(_POLAR_FIELDS))
+_INV_ROOT_ORDER = tuple(sorted(_INV_ROOT_FIELDS))
 
 ALGORITHMS = ("fismo", "adamw")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -93,8 +95,10 @@ def core_key(group: dict) -> tuple:
         group["beta"],
         group["gamma"],
         group["mu"],
-        tuple(sorted(group["polar"].items())),
-        tuple(sorted(group["inv_root"].items())),
+        # In the fields' fixed order (not sorted(items()): dynamo cannot always trace a sort, and
+        # torch.compile traces this at every step).
+        tuple((name, group["polar"][name]) for name in _POLAR_ORDER),
+        tuple((name, group["inv_root"][name]) for name in _INV_ROOT_ORDER),
         group["nesterov"],
         group.get("statistics", CORE_DEFAULTS.statistics),  # absent from checkpoints saved before it existed
         group.get("nonfinite", CORE_DEFAULTS.nonfinite),  # likewise
