@@ -384,8 +384,14 @@ class FISMO(Optimizer):
             G = grad.reshape(m, n)
             # InverseRootConfig.every: whether this parameter's roots are due, from its own step count.
             # With every == 1 (the default) they always are: no read of the step count.
+            # Compiled (torch.compile), the decision stays on the device: see _traced_refresh.
             every = core.inv_root.every
-            refresh = True if every == 1 else core.inv_root.is_refresh_step(int(self.state[p].get("step", 0)))
+            if every == 1:
+                refresh = True
+            elif torch.compiler.is_compiling() and not _guards.checks_roots(core.inv_root, core.nonfinite):
+                refresh = None
+            else:
+                refresh = core.inv_root.is_refresh_step(int(self.state[p].get("step", 0)))
             buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
         for (m, n, *_, refresh), bucket in buckets.items():
             plan.created.extend(p for p, _ in bucket if not self.state.get(p))
@@ -394,7 +400,11 @@ class FISMO(Optimizer):
             stacked = pack(core, states, m, n)
             # Algorithm 1, lines 4-8, for the whole bucket. The core's step count is
             # not used by the algorithm; each parameter keeps its own in state["step"].
-            result = core.direction_with_faults(G_stack, stacked, refresh_roots=refresh)
+            if refresh is None:
+                due = core.inv_root.is_refresh_step(torch.stack([s["step"] for s in states]))
+                result = _traced_refresh(core, G_stack, stacked, due)
+            else:
+                result = core.direction_with_faults(G_stack, stacked, refresh_roots=refresh)
             plan.calls.append(_CoreCall([p for p, _ in bucket], states, G_stack, stacked, refresh, result))
         return plan
 
@@ -466,6 +476,50 @@ class FISMO(Optimizer):
         state = self.state[p]
         # The label (a scan of the groups) only when the state is created: the core then checks the factor size.
         return init_matrix_state(core, state, G, p.dtype, name="W" if state else self._label(p))
+
+
+def _traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.Tensor) -> Any:
+    """Lines 4-8 of a bucket under ``torch.compile`` with ``InverseRootConfig(every=k)``, ``k > 1``.
+
+    ``due`` (per matrix, on the device) says whose roots are recomputed at this step. Eagerly the
+    adapter reads each step count and buckets by the answer; traced, that read would break the
+    graph, and the graph would recompile whenever the answer changes. Here two ``torch.cond`` keep
+    both paths in one graph: the call that recomputes the roots runs when any matrix is due, the
+    one that keeps them when any is not, and each matrix takes its own (the matrices of a bucket
+    differ only when their step counts do). Each is the eager adapter's call, traced once. Only for
+    a core that does not check its roots (no fault flags to return: ``nonfinite="propagate"``).
+    """
+    leaves, spec = torch.utils._pytree.tree_flatten((G, stacked))
+    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+
+    def rebuild(tensors: Any) -> Any:
+        it = iter(tensors)
+        return torch.utils._pytree.tree_unflatten([next(it) if t else x for x, t in zip(leaves, is_tensor)], spec)
+
+    def call(refresh: bool) -> Callable[..., tuple]:
+        def branch(*tensors: torch.Tensor) -> tuple:
+            G_, stacked_ = rebuild(tensors)
+            result = core.direction_with_faults(G_, stacked_, refresh_roots=refresh)
+            if any(flag is not None for flag in result.faults):  # excluded by _fismo_compute's condition
+                raise RuntimeError("a traced refresh cannot return fault flags")
+            out = torch.utils._pytree.tree_flatten((result.direction, result.state._replace(step=stacked_.step)))[0]
+            # torch.cond's outputs may not alias its inputs (the roots kept, P and Q with gamma = 1), and
+            # both branches must lay them out alike: contiguous.
+            return tuple(x.clone(memory_format=torch.contiguous_format) if any(x is a for a in tensors)
+                         else x.contiguous() for x in out if isinstance(x, torch.Tensor))
+        return branch
+
+    def unused(*tensors: torch.Tensor) -> tuple:  # the other branch's shapes; every entry is replaced below
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in tensors)
+
+    operands = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+    fresh = torch.cond(due.any(), call(True), unused, operands)
+    kept = torch.cond(due.all(), unused, call(False), operands)
+    # The predicates stay where the step counts are (the CPU: no device read); the choice goes to the data.
+    due_here = due.to(G.device)
+    out = tuple(torch.where(due_here.reshape(due.shape + (1,) * (a.ndim - 1)), a, b) for a, b in zip(fresh, kept))
+    direction, state = rebuild(out)
+    return _fismo.StepResult(direction, state, _guards.StepFaults())
 
 
 class _CoreCall(NamedTuple):

@@ -104,6 +104,9 @@ CONFIGS = {
     "scale-invariant statistics": {"statistics": "scale_invariant"},
     "gamma = 1 (Muon)": {"gamma": 1.0},
     "tensor lr": {"lr": torch.tensor(0.02, dtype=torch.float64)},
+    # Roots due at steps 0 and 3 of the 6: one graph holds both paths (torch.cond), so no recompile.
+    "roots every 3": {"inv_root": {"every": 3}},
+    "roots every 3, blocks": {"inv_root": {"every": 3}, "block_size": 8},
 }
 
 
@@ -195,6 +198,50 @@ def test_a_cnn_with_batchnorm_blocks_and_skipped_steps_does_not_recompile():
             frames.append(backend.frame_count)
     assert not counters["graph_break"]
     assert frames[1:] == [2] * (len(frames) - 1), frames
+
+
+def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
+    """``FISMO.training`` (roots every 10 steps, bfloat16 polar, Nesterov, weight decay) under
+    ``nonfinite="propagate"``: one graph through a refresh step (12 steps: refreshes at 0 and 10),
+    no recompile, eager bit for bit."""
+    model, twin, frames = _compiled_and_eager(
+        _matrices_only(), lambda m: FISMO.training(m.parameters(), lr=0.02, nonfinite="propagate"), steps=12
+    )
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert frames[0] == 1 and frames[-1] == 2, frames
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_roots_every_k_with_step_counts_that_differ_within_a_bucket():
+    """Two same-shape matrices (one batched bucket) whose step counts drift apart (one has no gradient at
+    one step), roots every 3: at later steps one is due and the other not. The traced choice per matrix
+    equals the eager adapter, which buckets them apart; the steps without the gradient compile once more
+    (another set of parameters steps, as without ``every``), and nothing else does."""
+    torch.manual_seed(0)
+    weights = [torch.randn(6, 4, dtype=torch.float64) for _ in range(2)]
+    gen = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(6, 4, generator=gen, dtype=torch.float64) for _ in weights] for _ in range(9)]
+
+    def train(compiled: bool):
+        params = [w.clone().requires_grad_(True) for w in weights]
+        opt = FISMO(params, lr=0.05, nonfinite="propagate", inv_root={"every": 3}, statistics="scale_invariant")
+        backend = CompileCounterWithBackend("aot_eager")
+        step = torch.compile(opt.step, backend=backend, fullgraph=True) if compiled else opt.step
+        for t, g in enumerate(grads):
+            for p, gp in zip(params, g):
+                p.grad = None if (t == 2 and p is params[1]) else gp.clone()
+            step()
+        return params, opt, backend.frame_count
+
+    compiled, opt, frames = train(True)
+    eager, _, _ = train(False)
+    assert [int(opt.state[p]["step"]) for p in compiled] == [9, 8]  # steps 3 and 6 of matrix 0 are
+    # refreshes, and matrix 1 is due at its own steps 3 and 6 (the loop's 4 and 7): mixed buckets
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert frames == 3, frames  # the first step, the steady one, the step without params[1]'s gradient
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
 
 
 class _HostReads(TorchDispatchMode):
