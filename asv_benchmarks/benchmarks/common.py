@@ -117,6 +117,10 @@ for _B in TRAINING_BLOCK_SIZES:
 #: ``FISMO_ASV_SMOKE=1`` shrinks the grid to one small shape per backend: CI's smoke run.
 SMOKE = os.environ.get("FISMO_ASV_SMOKE") == "1"
 if SMOKE:
+    # One target per library, on the CPU: each parameter combination is a process of its own (about
+    # 4 s of imports on a 2-core CI machine), and a GPU target would only be skipped there.
+    BACKENDS = ["numpy-cpu-float64", "torch-cpu-float32", "jax-cpu-float32"]
+    TORCH_DEVICES = ["cpu"]
     SHAPES = ["64x96"]
     BLOCK_SIZES = [32]
     MODEL_SETS = {"tiny": [(32, 96), (96, 32)]}
