@@ -481,7 +481,7 @@ class FISMO(Optimizer):
 def _traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.Tensor) -> Any:
     """Lines 4-8 of a bucket under ``torch.compile`` with ``InverseRootConfig(every=k)``, ``k > 1``.
 
-    ``due`` (per matrix, on the device) says whose roots are recomputed at this step. Eagerly the
+    ``due`` (per matrix, where the step counts live: the CPU) says whose roots are recomputed at this step. Eagerly the
     adapter reads each step count and buckets by the answer; traced, that read would break the
     graph, and the graph would recompile whenever the answer changes. Here two ``torch.cond`` keep
     both paths in one graph: the call that recomputes the roots runs when any matrix is due, the
