@@ -69,6 +69,27 @@ def test_jobs_below_one_is_a_usage_error_naming_the_option(capsys):
 
 
 # ----------------------------------------------------------------------------- the lr search
+def test_a_size_grid_replaces_the_optimizers_grid_at_that_size_and_the_blocked_one_follows_the_candidate():
+    preset = study.PRESETS["full"]
+    small, large = preset.sizes[0], preset.sizes[-1]
+    assert preset.grid(small, "Muon-torch") == study.GRIDS["Muon-torch"]  # no override at S
+    assert preset.grid(large, "FISMO-T") == preset.size_grids["L"]["FISMO-T"] != study.GRIDS["FISMO-T"]
+    assert preset.grid(large, preset.blocked) == preset.grid(large, "FISMO-T")
+    own = study.Preset(**{**vars(preset), "size_grids": {"L": {preset.blocked: (0.02, 0.04, 0.08)}}})
+    assert own.grid(large, preset.blocked) == (0.02, 0.04, 0.08) and own.grid(large, "FISMO-T") == study.GRIDS["FISMO-T"]
+
+
+@pytest.mark.parametrize("size_grids, match", [
+    ({"XL": {"AdamW": (1e-3, 2e-3, 4e-3)}}, "sizes it does not have: \\['XL'\\]"),
+    ({"M": {"AdamW": (1e-3, 3e-3, 9e-3)}}, "lr grid of AdamW at size M must be ascending"),
+    ({"M": {"AdamW": (1e-3, 2e-3)}}, "lr grid of AdamW at size M needs at least 3 values"),
+])
+def test_a_bad_size_grid_is_rejected_naming_the_size(size_grids, match):
+    bad = study.Preset(**{**vars(study.PRESETS["reduced"]), "size_grids": size_grids})
+    with pytest.raises(ValueError, match=match):
+        study.check_preset(bad)
+
+
 def _search_with(loss, grid=(0.02, 0.04, 0.08), max_extensions=2) -> study.LrSearch:
     """Drive an ``LrSearch`` with ``loss(lr)`` until it stops proposing values."""
     search = study.LrSearch(grid, max_extensions)
@@ -163,7 +184,7 @@ def test_reduced_study_selects_each_lr_by_the_winner_inside_the_grid_rule(reduce
     for size in preset.sizes:
         for opt in preset.optimizers(size):
             sweep = _seed0_in_order(doc, size.name, opt)
-            grid = preset.grid(opt)
+            grid = preset.grid(size, opt)
             lrs = [lr for lr, _ in sweep]
             assert len(set(lrs)) == len(lrs) and set(grid) <= set(lrs), (size.name, opt, lrs)
             extensions = [lr for lr in lrs if lr not in grid]  # in the order they were run

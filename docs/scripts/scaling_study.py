@@ -100,6 +100,8 @@ class Preset:
     seeds: int = 3
     max_extensions: int = 2
     device: str = "cpu"  # where the model and the optimizers' state live ("cuda": the "gpu" preset)
+    # Per size name, grids that replace ``grids``' for some optimizers (the blocked one included by name).
+    size_grids: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
 
     @property
     def blocked(self) -> str:
@@ -110,8 +112,15 @@ class Preset:
         """The optimizers run at ``size``: every one of ``OPTIMIZERS``, and the blocked one at the largest size."""
         return (CANDIDATE, self.blocked, *OPTIMIZERS[1:]) if size == self.sizes[-1] else OPTIMIZERS
 
-    def grid(self, optimizer: str) -> tuple[float, ...]:
-        """The initial learning-rate grid of ``optimizer``."""
+    def grid(self, size: Size, optimizer: str) -> tuple[float, ...]:
+        """The initial learning-rate grid of ``optimizer`` at ``size``: ``size_grids``' if it has one, else ``grids``'.
+
+        The blocked configuration falls back on the candidate's grid (of its size, then ``grids``').
+        """
+        own = self.size_grids.get(size.name, {})
+        for name in (optimizer, CANDIDATE) if optimizer == self.blocked else (optimizer,):
+            if name in own:
+                return own[name]
         return self.grids[CANDIDATE if optimizer == self.blocked else optimizer]
 
     def task(self, size: Size) -> TextTask:
@@ -132,11 +141,15 @@ PRESETS: dict[str, Preset] = {
     # About 43 K, 235 K and 1.06 M parameters (24x); tokens 0.41 M, 0.61 M and 0.82 M (batch 32 x context 64).
     # B = 64 splits every side of the largest size's matrices (128, 384 and 512). (A first version had L with
     # 6 layers and 800 steps: about 90 CPU-minutes for L alone, more than the 2-core budget allows.)
+    # The grids of S's FISMO-T and L's FISMO-T, FISMO-T-B64 and AdamW are centred where a first run of this
+    # preset (GRIDS at every size) selected them after extending GRIDS downwards: 6 runs fewer, the 90 minutes.
     "full": Preset(
         name="full",
         sizes=(Size("S", 32, 2, 2, 200), Size("M", 64, 4, 4, 300), Size("L", 128, 5, 4, 400)),
         grids=GRIDS, block_size=64, batch_size=32, context=64, max_train_bytes=2_000_000,
         max_val_bytes=200_000, val_windows=512, pilot_steps=10,
+        size_grids={"S": {"FISMO-T": (0.005, 0.01, 0.02)},
+                    "L": {"FISMO-T": (0.0025, 0.005, 0.01), "AdamW": (7.5e-4, 1.5e-3, 3e-3)}},
     ),
     # Point 6 of issue 20, on a GPU (needs CUDA): the full preset's largest size again, and a GPT-2-small-shaped
     # model (12 layers, d = 768, 12 heads; about 86 M parameters) for a short fixed budget of 300 steps.
@@ -153,6 +166,7 @@ PRESETS: dict[str, Preset] = {
         sizes=(Size("XS", 8, 1, 2, 6), Size("S", 16, 1, 2, 8), Size("M", 32, 2, 2, 10)),
         grids=GRIDS, block_size=16, batch_size=8, context=16, max_train_bytes=100_000,
         max_val_bytes=20_000, val_windows=16, pilot_steps=2,
+        size_grids={"M": {"FISMO-T": (0.005, 0.01, 0.02)}},  # as the full preset's, that the tests run the path
     ),
 }
 
@@ -164,13 +178,18 @@ def check_preset(preset: Preset) -> None:
     for size in preset.sizes:
         if size.steps < 2 or size.dim % size.heads:
             raise ValueError(f"preset {preset.name!r}, size {size.name}: needs steps >= 2 and dim a multiple of heads")
-    for optimizer in OPTIMIZERS:
-        grid = preset.grids.get(optimizer)
+    unknown = set(preset.size_grids) - {size.name for size in preset.sizes}
+    if unknown:
+        raise ValueError(f"preset {preset.name!r}: size_grids names sizes it does not have: {sorted(unknown)}")
+    grids = [(None, opt, preset.grids.get(opt)) for opt in OPTIMIZERS]
+    grids += [(size.name, opt, grid) for size in preset.sizes for opt, grid in preset.size_grids.get(size.name, {}).items()]
+    for size_name, optimizer, grid in grids:
+        where = f"the lr grid of {optimizer}" + (f" at size {size_name}" if size_name else "")
         if grid is None or len(grid) < 3:
-            raise ValueError(f"preset {preset.name!r}: the lr grid of {optimizer} needs at least 3 values, got {grid}")
+            raise ValueError(f"preset {preset.name!r}: {where} needs at least 3 values, got {grid}")
         if any(not math.isclose(b / a, GRID_FACTOR) for a, b in zip(grid, grid[1:])):
-            raise ValueError(f"preset {preset.name!r}: the lr grid of {optimizer} must be ascending, a factor "
-                             f"{GRID_FACTOR:g} apart, got {grid}")
+            raise ValueError(f"preset {preset.name!r}: {where} must be ascending, a factor {GRID_FACTOR:g} apart, "
+                             f"got {grid}")
     if preset.seeds < 1 or preset.max_extensions < 0:
         raise ValueError(f"preset {preset.name!r}: needs seeds >= 1 and max_extensions >= 0")
 
@@ -385,7 +404,7 @@ def pilot(preset: Preset, executor: _Executor,
     The CPU-time figure is what an otherwise idle machine would take (on a machine shared with
     other work the wall times are longer, the CPU times hardly change).
     """
-    specs = [replace(_study_run(preset, size, opt, preset.grid(opt)[1], 0), steps=preset.pilot_steps + 1)
+    specs = [replace(_study_run(preset, size, opt, preset.grid(size, opt)[1], 0), steps=preset.pilot_steps + 1)
              for size, opt in reversed(_runs_of(preset))]
     futures = [executor.submit(run) for run in specs]
     by_wall: dict[str, dict[str, float]] = {}
@@ -405,14 +424,14 @@ def pilot(preset: Preset, executor: _Executor,
 
 def estimate_wall(preset: Preset, estimates: Mapping[str, Mapping[str, float]], jobs: int) -> float:
     """Wall seconds of the study without grid extensions: total work over ``jobs``, or its longest chain."""
-    work = sum((len(preset.grid(opt)) + preset.seeds - 1) * estimates[size.name][opt] for size, opt in _runs_of(preset))
+    work = sum((len(preset.grid(size, opt)) + preset.seeds - 1) * estimates[size.name][opt] for size, opt in _runs_of(preset))
     chain = max((2 if preset.seeds > 1 else 1) * estimates[size.name][opt] for size, opt in _runs_of(preset))
     return max(work / max(1, jobs), chain)
 
 
 def _estimate_line(preset: Preset, by_wall: Mapping[str, Mapping[str, float]],
                    by_cpu: Mapping[str, Mapping[str, float]], jobs: int) -> str:
-    n_runs = sum(len(preset.grid(o)) + preset.seeds - 1 for _, o in _runs_of(preset))
+    n_runs = sum(len(preset.grid(s, o)) + preset.seeds - 1 for s, o in _runs_of(preset))
     return (f"estimated wall time of preset {preset.name!r}: {_minutes(estimate_wall(preset, by_wall, jobs))} "
             f"({_minutes(estimate_wall(preset, by_cpu, jobs))} from the pilot's CPU times, on an otherwise idle "
             f"machine) for {n_runs} runs on {max(1, jobs)} jobs without grid extensions (one extension adds one "
@@ -443,7 +462,7 @@ def run_study(preset: Preset, out: Path, jobs: int = 2, *, resume: bool = True, 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     cached = load_results(path) if resume else {}
-    searches = {(size.name, opt): LrSearch(preset.grid(opt), preset.max_extensions) for size, opt in _runs_of(preset)}
+    searches = {(size.name, opt): LrSearch(preset.grid(size, opt), preset.max_extensions) for size, opt in _runs_of(preset)}
     doc: dict[str, Any] = {
         "study": "scaling", "preset": preset.name, "command": command, "complete": False,
         "config": _config(preset), "environment": environment(), "jobs": max(1, jobs), "runs": [],
@@ -468,7 +487,7 @@ def _execute(preset: Preset, executor: _Executor, searches: dict[tuple[str, str]
              doc: dict[str, Any], path: Path, log: Callable[[str], None], start: float) -> None:
     """Schedule the runs: the sweeps, their extensions, then the seeds; longest first, ``jobs`` at a time."""
     sizes = {size.name: size for size in preset.sizes}
-    ready = [_study_run(preset, size, opt, lr, 0) for size, opt in _runs_of(preset) for lr in preset.grid(opt)]
+    ready = [_study_run(preset, size, opt, lr, 0) for size, opt in _runs_of(preset) for lr in preset.grid(size, opt)]
     running: dict[Future, tuple[StudyRun, float]] = {}
     seen: dict[str, int] = {}  # trained and reused runs, for the progress line
     ratio = {"actual": 0.0, "estimated": 0.0}  # measured over estimated seconds of the runs trained so far
@@ -530,7 +549,9 @@ def _execute(preset: Preset, executor: _Executor, searches: dict[tuple[str, str]
 
 def _config(preset: Preset) -> dict[str, Any]:
     config = asdict(preset)
-    config["grids"] = {opt: list(preset.grid(opt)) for opt in (CANDIDATE, preset.blocked, *OPTIMIZERS[1:])}
+    config["grids"] = {size.name: {opt: list(preset.grid(size, opt)) for opt in preset.optimizers(size)}
+                       for size in preset.sizes}
+    del config["size_grids"]  # folded into "grids", per size
     config["sizes"] = []
     for size in preset.sizes:
         n_all, n_matrices = parameter_counts(preset.task(size))
