@@ -257,3 +257,47 @@ def test_a_resumed_study_trains_only_the_missing_runs_and_gets_the_same_losses(r
     # One torch thread in both runs, the same seed and data: the same arithmetic, to the last bit.
     assert retrained == {r["key"]: r["final_val_loss"] for r in removed}
     assert again["tuning"] == doc["tuning"] and again["gain"] == doc["gain"]
+
+
+# ----------------------------------------------------------------------------- another candidate
+def test_a_candidate_with_one_setting_changed_is_named_blocked_and_gridded_as_fismo_t():
+    preset = study.replace(study.PRESETS["full"], candidate="FISMO-T-mu1e-1")
+    study.check_preset(preset)
+    large = preset.sizes[-1]
+    assert preset.blocked == "FISMO-T-B64-mu1e-1"
+    assert preset.optimizers(large) == ("FISMO-T-mu1e-1", "FISMO-T-B64-mu1e-1", "Muon-torch", "AdamW")
+    assert preset.optimizers(preset.sizes[0]) == ("FISMO-T-mu1e-1", "Muon-torch", "AdamW")
+    assert preset.grid(large, "FISMO-T-mu1e-1") == preset.grid(large, "FISMO-T") == preset.size_grids["L"]["FISMO-T"]
+    assert preset.grid(large, preset.blocked) == preset.grid(large, "FISMO-T")
+    model = preset.task(preset.sizes[0]).model()
+    for name in preset.optimizers(large)[:2]:  # the one setting reaches the optimizer, blocks only in the blocked one
+        fismo = study.build_optimizer(name, model, 0.01, 3e-3).fismo
+        assert fismo.defaults["mu"] == 0.1 and fismo.defaults["block_size"] == (64 if "-B64" in name else 512)
+
+
+@pytest.mark.parametrize("candidate", ["FISMO-T-B32", "FISMO-T-B32-mu1e-1", "FISMO-SI", "FISMO-T-nonsense", "Muon"])
+def test_a_candidate_that_is_not_fismo_t_with_one_setting_changed_is_refused(candidate, capsys):
+    with pytest.raises(ValueError, match=f"candidate '{candidate}' is not FISMO-T"):
+        study.check_preset(study.replace(study.PRESETS["full"], candidate=candidate))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--candidate", candidate, "--estimate-only"])
+    assert exit_info.value.code == 2 and f"candidate '{candidate}'" in capsys.readouterr().err
+
+
+def test_a_study_of_another_candidate_reuses_the_baselines_runs_and_trains_only_the_candidates(reduced, tmp_path):
+    out, doc, _, _ = reduced
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "reduced", "--jobs", "1", "--out", str(other),
+                           "--candidate", "FISMO-T-mu1e-1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    again = json.loads((other / "results.json").read_text())
+    preset = study.replace(study.PRESETS["reduced"], candidate="FISMO-T-mu1e-1")
+    assert again["config"]["candidate"] == "FISMO-T-mu1e-1"
+    names = {r["optimizer"] for r in again["runs"]}
+    assert names == {"FISMO-T-mu1e-1", preset.blocked, "Muon-torch", "AdamW"}
+    baselines = [r for r in doc["runs"] if r["optimizer"] in ("Muon-torch", "AdamW")]
+    assert again["reused"] == len(baselines) and again["trained"] == len(again["runs"]) - len(baselines)
+    assert {r["key"] for r in baselines} <= {r["key"] for r in again["runs"]}
+    assert set(again["gain"][preset.sizes[-1].name]) == {"FISMO-T-mu1e-1", preset.blocked}
+    assert "# Scaling study: FISMO-T-mu1e-1 against torch.optim.Muon" in (other / "report.md").read_text()

@@ -56,7 +56,7 @@ from typing import Any, Optional
 
 import torch
 
-from fismo_core.demo.optimizers import build_optimizer
+from fismo_core.demo.optimizers import build_optimizer, control_base, control_change
 from fismo_core.demo.report import _markdown_table, _minutes, _save, environment
 from fismo_core.demo.run import cpu_seconds, worker_pool
 from fismo_core.demo.tasks import TextTask
@@ -88,7 +88,7 @@ class Preset:
 
     name: str
     sizes: tuple[Size, ...]
-    grids: Mapping[str, tuple[float, ...]]  # per optimizer of OPTIMIZERS; the blocked one uses CANDIDATE's
+    grids: Mapping[str, tuple[float, ...]]  # per optimizer of OPTIMIZERS; the candidates use CANDIDATE's
     block_size: int  # of the blocked training configuration, run at the largest size only
     batch_size: int
     context: int
@@ -102,26 +102,32 @@ class Preset:
     device: str = "cpu"  # where the model and the optimizers' state live ("cuda": the "gpu" preset)
     # Per size name, grids that replace ``grids``' for some optimizers (the blocked one included by name).
     size_grids: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
+    # The training configuration studied: FISMO-T, or FISMO-T with one setting changed (a name of the demo's
+    # naming rule, e.g. FISMO-T-mu1e-1: damping 0.1), with CANDIDATE's grids; --candidate on the command line.
+    candidate: str = CANDIDATE
 
     @property
     def blocked(self) -> str:
-        """The blocked training configuration's name, ``FISMO-T-B<B>``."""
-        return f"{CANDIDATE}-B{self.block_size}"
+        """The blocked candidate's name: ``FISMO-T-B<B>``, or ``FISMO-T-B<B>-<modifier>`` for a changed one."""
+        return f"{CANDIDATE}-B{self.block_size}{self.candidate[len(CANDIDATE):]}"
 
     def optimizers(self, size: Size) -> tuple[str, ...]:
-        """The optimizers run at ``size``: every one of ``OPTIMIZERS``, and the blocked one at the largest size."""
-        return (CANDIDATE, self.blocked, *OPTIMIZERS[1:]) if size == self.sizes[-1] else OPTIMIZERS
+        """The optimizers run at ``size``: the candidate and the rest of ``OPTIMIZERS``, the blocked one at the largest."""
+        blocked = (self.blocked,) if size == self.sizes[-1] else ()
+        return (self.candidate, *blocked, *OPTIMIZERS[1:])
 
     def grid(self, size: Size, optimizer: str) -> tuple[float, ...]:
         """The initial learning-rate grid of ``optimizer`` at ``size``: ``size_grids``' if it has one, else ``grids``'.
 
-        The blocked configuration falls back on the candidate's grid (of its size, then ``grids``').
+        The candidate's grids are under ``CANDIDATE``'s name (whatever ``candidate`` is); the blocked one
+        falls back on them (of its size, then ``grids``').
         """
         own = self.size_grids.get(size.name, {})
-        for name in (optimizer, CANDIDATE) if optimizer == self.blocked else (optimizer,):
+        key = CANDIDATE if optimizer in (self.candidate, self.blocked) else optimizer
+        for name in (optimizer, key):
             if name in own:
                 return own[name]
-        return self.grids[CANDIDATE if optimizer == self.blocked else optimizer]
+        return self.grids[key]
 
     def task(self, size: Size) -> TextTask:
         return TextTask(batch_size=self.batch_size, context=self.context, dim=size.dim, layers=size.layers,
@@ -178,6 +184,14 @@ def check_preset(preset: Preset) -> None:
     for size in preset.sizes:
         if size.steps < 2 or size.dim % size.heads:
             raise ValueError(f"preset {preset.name!r}, size {size.name}: needs steps >= 2 and dim a multiple of heads")
+    if preset.candidate != CANDIDATE:
+        try:
+            changed = control_change(preset.candidate) if control_base(preset.candidate) == CANDIDATE else None
+        except ValueError:  # not a control's name
+            changed = None
+        if changed is None or "block_size" in changed:
+            raise ValueError(f"preset {preset.name!r}: candidate {preset.candidate!r} is not {CANDIDATE} or "
+                             f"{CANDIDATE}-<modifier> (one setting changed, no blocks; fismo_core.demo.optimizers)")
     unknown = set(preset.size_grids) - {size.name for size in preset.sizes}
     if unknown:
         raise ValueError(f"preset {preset.name!r}: size_grids names sizes it does not have: {sorted(unknown)}")
@@ -583,7 +597,7 @@ def summarise(preset: Preset, searches: Mapping[tuple[str, str], LrSearch],
                                       for name in TIMES}
         base = losses[size.name][BASELINE]["seeds"]
         gain[size.name] = {}
-        for opt in (CANDIDATE, preset.blocked):
+        for opt in (preset.candidate, preset.blocked):
             if opt in losses[size.name]:
                 mine = losses[size.name][opt]["seeds"]
                 gain[size.name][opt] = {seed: (base[seed] - mine[seed]
@@ -606,12 +620,13 @@ def _signed(x: Optional[float]) -> str:
 def markdown_report(doc: Mapping[str, Any]) -> str:
     """The study's tables, ready for the Results page, from a finished ``results.json`` document."""
     config = doc["config"]
+    candidate = config.get("candidate", CANDIDATE)  # studies recorded before the field were FISMO-T's
     sizes = config["sizes"]
     seeds = [str(s) for s in range(config["seeds"])]
     trained = sum(r["seconds"] for r in doc["runs"])
     load = f"; load average at the end {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     parts = [
-        f"# Scaling study: {CANDIDATE} against torch.optim.Muon as the GPT grows (preset {doc['preset']!r})",
+        f"# Scaling study: {candidate} against torch.optim.Muon as the GPT grows (preset {doc['preset']!r})",
         "",
         f"Command: `{doc['command']}`  ",
         f"Wall time: {_minutes(doc['seconds'])} on {doc['jobs']} jobs{load}; CPU time {doc['cpu_seconds']:.0f} s; "
@@ -627,7 +642,7 @@ def markdown_report(doc: Mapping[str, Any]) -> str:
               s["steps"], f"{s['tokens']:,}", ", ".join(s["optimizers"])] for s in sizes], "lrrrrrrrl"),
         "",
         f"Batch {config['batch_size']} windows of {config['context']} bytes; warm-up 5 % of the steps, then cosine "
-        f"to 10 %; AdamW part of {CANDIDATE} and {BASELINE} at lr {config['adamw_lr']:g}; held-out loss over "
+        f"to 10 %; AdamW part of {candidate} and {BASELINE} at lr {config['adamw_lr']:g}; held-out loss over "
         f"{config['val_windows']} windows at the end.",
         "",
         "## Learning-rate selection (seed 0)",
@@ -646,7 +661,7 @@ def markdown_report(doc: Mapping[str, Any]) -> str:
               *(_loss(entry["seeds"].get(s)) for s in seeds), _loss(_mean(entry["seeds"].values()))]
              for size in sizes for opt, entry in doc["losses"][size["name"]].items()], "llll" + "r" * (len(seeds) + 1)),
         "",
-        f"## Gain over {BASELINE} ({BASELINE} − {CANDIDATE} held-out loss, nats/byte; positive: {CANDIDATE} better)",
+        f"## Gain over {BASELINE} ({BASELINE} − {candidate} held-out loss, nats/byte; positive: {candidate} better)",
         "",
         _markdown_table(
             ["size", "parameters", "optimizer", *(f"seed {s}" for s in seeds), "mean", "better on"],
@@ -694,8 +709,9 @@ def plot_gain(doc: Mapping[str, Any], path: Path) -> bool:
     parameters = {s["name"]: s["parameters"] for s in doc["config"]["sizes"]}
     fig, ax = plt.subplots(figsize=(5.6, 3.8), constrained_layout=True)
     ax.axhline(0.0, color="0.5", linewidth=0.8)
-    styles = {CANDIDATE: ("C0", "o")}
-    for opt in sorted({opt for per in doc["gain"].values() for opt in per}, key=lambda o: o != CANDIDATE):
+    candidate = doc["config"].get("candidate", CANDIDATE)
+    styles = {candidate: ("C0", "o")}
+    for opt in sorted({opt for per in doc["gain"].values() for opt in per}, key=lambda o: o != candidate):
         color, marker = styles.get(opt, ("C1", "s"))
         xs, means = [], []
         for size, per in doc["gain"].items():
@@ -741,6 +757,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--estimate-only", action="store_true",
                         help="time pilot steps (one run at a time), print the estimate for --jobs, stop")
     parser.add_argument("--pilot-steps", type=int, help="timed steps per size and optimizer for the estimate")
+    parser.add_argument("--candidate", default=CANDIDATE,
+                        help=f"the training configuration studied: {CANDIDATE} (default) or {CANDIDATE}-<modifier>, "
+                             "one setting changed, e.g. FISMO-T-mu1e-1 (damping 0.1); fismo_core.demo.optimizers")
     parser.add_argument("--report-only", action="store_true", help="write report.md and the plot from DIR/results.json")
     args = parser.parse_args(argv)
     if args.jobs < 1:
@@ -752,6 +771,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"preset {preset.name!r} runs on {preset.device!r}, but torch sees no CUDA device")
     if args.pilot_steps is not None:
         preset = replace(preset, pilot_steps=args.pilot_steps)
+    preset = replace(preset, candidate=args.candidate)
+    try:
+        check_preset(preset)
+    except ValueError as error:
+        parser.error(str(error))
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if args.report_only:
         doc = json.loads((args.out / "results.json").read_text())
