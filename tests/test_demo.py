@@ -213,7 +213,9 @@ def test_training_configuration_and_torch_muon_are_built_at_torch_defaults() -> 
      ("FISMO-T-no-wd", "weight_decay", 0.0), ("FISMO-T-every1", "inv_root", 1), ("FISMO-T-B16", "block_size", 16),
      # docs/scripts/root_staleness.py's controls
      ("FISMO-T-every2", "inv_root", 2), ("FISMO-T-every5", "inv_root", 5), ("FISMO-T-mu1e-2", "mu", 1e-2),
-     ("FISMO-T-mu1e-1", "mu", 1e-1)],
+     ("FISMO-T-mu1e-1", "mu", 1e-1),
+     # docs/scripts/scaling_study.py's --candidate
+     ("FISMO-T-bf16mm", "inv_root", "bfloat16")],
 )
 def test_training_controls_change_one_setting(control: str, key: str, value: object) -> None:
     """Each control of FISMO-T differs from FISMO-T in the one setting its name says, and in nothing else."""
@@ -225,7 +227,13 @@ def test_training_controls_change_one_setting(control: str, key: str, value: obj
     assert base[1] == changed[1]  # the AdamW group
     differing = {k for k in base[0] if base[0][k] != changed[0][k]}
     assert differing == {key}
-    assert (_field(changed[0][key], "every") if key == "inv_root" else changed[0][key]) == value
+    if key == "inv_root":  # the one field of the config that changes
+        field = "matmul_dtype" if isinstance(value, str) else "every"
+        assert _field(changed[0][key], field) == value
+        assert {"every": 10, "matmul_dtype": None, field: value} == {
+            name: _field(changed[0][key], name) for name in ("every", "matmul_dtype")}
+    else:
+        assert changed[0][key] == value
 
 
 def test_blocked_measurements_match_the_dense_matrix() -> None:

@@ -35,8 +35,10 @@ The one naming rule of FISMO runs: ``<base>[-B<B>][-<modifier>]``, where the
 base is ``FISMO``, ``FISMO-SI`` or ``FISMO-T``, ``-B<B>`` sets
 ``block_size=B``, and the modifier is one of the table ``_MODIFIERS``
 (``bf16`` for the printed bases; ``printed``, ``no-nesterov``, ``no-wd``,
-``every1`` for FISMO-T, and ``every2``, ``every5``, ``mu1e-2``, ``mu1e-1``
-for ``docs/scripts/root_staleness.py``), each one setting changed.
+``every1`` for FISMO-T, ``every2``, ``every5``, ``mu1e-2``, ``mu1e-1``
+for ``docs/scripts/root_staleness.py``, and ``bf16mm``, the preconditioners'
+products in bfloat16, for the scaling study's ``--candidate``), each one
+setting changed.
 
 FISMO and Muon are configured identically apart from the preconditioner:
 EMA momentum 0.95 without Nesterov (Algorithm 1 has none, so Muon's
@@ -95,6 +97,8 @@ _MODIFIERS: dict[str, tuple[tuple[str, ...], dict]] = {
     "every5": (("FISMO-T",), {"inv_root": {"every": 5}}),
     "mu1e-2": (("FISMO-T",), {"mu": 1e-2}),
     "mu1e-1": (("FISMO-T",), {"mu": 1e-1}),
+    # The scaling study's (docs/scripts/scaling_study.py --candidate), not run by the demo.
+    "bf16mm": (("FISMO-T",), {"inv_root": {"matmul_dtype": "bfloat16"}}),
 }
 
 #: The ablations of FISMO-T run on the text task, each one setting of the training configuration undone.
