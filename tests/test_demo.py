@@ -646,3 +646,18 @@ def test_python_m_fismo_core_demo_help() -> None:
         [sys.executable, "-m", "fismo_core", "demo", "--help"], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert "--quick" in result.stdout and "--out" in result.stdout
+
+
+def test_modifiers_of_different_settings_join_and_of_the_same_setting_are_refused() -> None:
+    """``FISMO-T-mu1e-1-bf16mm`` is FISMO-T with both settings; two changes of one setting are not a name."""
+    model = TinyGPT(layers=1)
+    base = _group_settings(build_optimizer("FISMO-T", model, 0.02, 3e-3).fismo)[0]
+    both = _group_settings(build_optimizer("FISMO-T-mu1e-1-bf16mm", model, 0.02, 3e-3).fismo)[0]
+    assert {k for k in base if base[k] != both[k]} == {"mu", "inv_root"}
+    assert both["mu"] == 0.1 and _field(both["inv_root"], "matmul_dtype") == "bfloat16"
+    assert _field(both["inv_root"], "every") == 10  # the preset's, kept
+    joined = control_change("FISMO-T-B16-every1-bf16mm")  # two fields of one config, and blocks
+    assert joined == {"block_size": 16, "inv_root": {"every": 1, "matmul_dtype": "bfloat16"}}
+    for name in ("FISMO-T-mu1e-1-mu1e-2", "FISMO-T-every1-every2", "FISMO-T-mu1e-1-", "FISMO-T-bf16-mu1e-1"):
+        with pytest.raises(ValueError, match="not a FISMO control"):
+            control_change(name)

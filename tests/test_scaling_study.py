@@ -273,6 +273,11 @@ def test_a_candidate_with_one_setting_changed_is_named_blocked_and_gridded_as_fi
     for name in preset.optimizers(large)[:2]:  # the one setting reaches the optimizer, blocks only in the blocked one
         fismo = study.build_optimizer(name, model, 0.01, 3e-3).fismo
         assert fismo.defaults["mu"] == 0.1 and fismo.defaults["block_size"] == (64 if "-B64" in name else 512)
+    joined = study.replace(preset, candidate="FISMO-T-mu1e-1-bf16mm")  # modifiers of two settings
+    study.check_preset(joined)
+    assert joined.blocked == "FISMO-T-B64-mu1e-1-bf16mm"
+    fismo = study.build_optimizer(joined.blocked, model, 0.01, 3e-3).fismo
+    assert fismo.defaults["mu"] == 0.1 and fismo.defaults["inv_root"]["matmul_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("candidate", ["FISMO-T-B32", "FISMO-T-B32-mu1e-1", "FISMO-SI", "FISMO-T-nonsense", "Muon"])

@@ -102,7 +102,7 @@ class Preset:
     device: str = "cpu"  # where the model and the optimizers' state live ("cuda": the "gpu" preset)
     # Per size name, grids that replace ``grids``' for some optimizers (the blocked one included by name).
     size_grids: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
-    # The training configuration studied: FISMO-T, or FISMO-T with one setting changed (a name of the demo's
+    # The training configuration studied: FISMO-T, or FISMO-T with settings changed (a name of the demo's
     # naming rule, e.g. FISMO-T-mu1e-1: damping 0.1), with CANDIDATE's grids; --candidate on the command line.
     candidate: str = CANDIDATE
 
@@ -191,7 +191,8 @@ def check_preset(preset: Preset) -> None:
             changed = None
         if changed is None or "block_size" in changed:
             raise ValueError(f"preset {preset.name!r}: candidate {preset.candidate!r} is not {CANDIDATE} or "
-                             f"{CANDIDATE}-<modifier> (one setting changed, no blocks; fismo_core.demo.optimizers)")
+                             f"{CANDIDATE}-<modifier> (settings changed by modifiers, no blocks; "
+                             "fismo_core.demo.optimizers)")
     unknown = set(preset.size_grids) - {size.name for size in preset.sizes}
     if unknown:
         raise ValueError(f"preset {preset.name!r}: size_grids names sizes it does not have: {sorted(unknown)}")
@@ -759,7 +760,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--pilot-steps", type=int, help="timed steps per size and optimizer for the estimate")
     parser.add_argument("--candidate", default=CANDIDATE,
                         help=f"the training configuration studied: {CANDIDATE} (default) or {CANDIDATE}-<modifier>, "
-                             "one setting changed, e.g. FISMO-T-mu1e-1 (damping 0.1); fismo_core.demo.optimizers")
+                             "settings changed by modifiers, e.g. FISMO-T-mu1e-1 (damping 0.1), FISMO-T-mu1e-1-bf16mm; "
+                             "fismo_core.demo.optimizers")
     parser.add_argument("--report-only", action="store_true", help="write report.md and the plot from DIR/results.json")
     args = parser.parse_args(argv)
     if args.jobs < 1:

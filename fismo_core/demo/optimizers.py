@@ -38,7 +38,8 @@ base is ``FISMO``, ``FISMO-SI`` or ``FISMO-T``, ``-B<B>`` sets
 ``every1`` for FISMO-T, ``every2``, ``every5``, ``mu1e-2``, ``mu1e-1``
 for ``docs/scripts/root_staleness.py``, and ``bf16mm``, the preconditioners'
 products in bfloat16, for the scaling study's ``--candidate``), each one
-setting changed.
+setting changed. Modifiers that change different settings join with ``-``:
+``FISMO-T-mu1e-1-bf16mm`` is FISMO-T with both.
 
 FISMO and Muon are configured identically apart from the preconditioner:
 EMA momentum 0.95 without Nesterov (Algorithm 1 has none, so Muon's
@@ -114,11 +115,33 @@ def _parse_fismo(name: str) -> Optional[tuple[str, dict]]:
     if match["block"]:
         options["block_size"] = int(match["block"])
     if match["modifier"] is not None:
-        bases, setting = _MODIFIERS.get(match["modifier"], ((), {}))
-        if base not in bases:
+        settings = _modifier_chain(match["modifier"], base)
+        if settings is None:
             return None
-        options.update(copy.deepcopy(setting))  # the table's dicts stay as they are
+        for setting in settings:
+            for key, value in setting.items():
+                if key in options and not (isinstance(value, dict) and not options[key].keys() & value.keys()):
+                    return None  # two modifiers that change the same setting
+                options[key] = {**options[key], **value} if key in options else copy.deepcopy(value)
     return base, options
+
+
+def _modifier_chain(text: str, base: str) -> Optional[list[dict]]:
+    """The settings of ``text``, one modifier of ``base`` or several joined by ``-``; None if it is neither.
+
+    ``every1-bf16mm`` is ``every1`` then ``bf16mm``; modifiers hold hyphens themselves (``no-wd``,
+    ``mu1e-1``), so each split is tried.
+    """
+    for modifier, (bases, setting) in _MODIFIERS.items():
+        if base not in bases:
+            continue
+        if text == modifier:
+            return [setting]
+        if text.startswith(modifier + "-"):
+            rest = _modifier_chain(text[len(modifier) + 1:], base)
+            if rest is not None:
+                return [setting, *rest]
+    return None
 
 
 def fismo_controls(
@@ -258,6 +281,6 @@ def build_optimizer(name: str, model: nn.Module, lr: float, adamw_lr: float) -> 
         return BuiltOptimizer([SOAP(everything, lr=lr, weight_decay=0.0)], matrices)
     raise ValueError(
         f"unknown optimizer {name!r}; choose from {ALL_OPTIMIZERS + MUON_CONTROLS} or a FISMO control "
-        "(<FISMO, FISMO-SI or FISMO-T>[-B<block size>][-<modifier>], modifiers: "
+        "(<FISMO, FISMO-SI or FISMO-T>[-B<block size>][-<modifier>...], modifiers: "
         + ", ".join(f"{m} (for {', '.join(bases)})" for m, (bases, _) in _MODIFIERS.items()) + ")"
     )
