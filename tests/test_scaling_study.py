@@ -83,6 +83,7 @@ def test_a_size_grid_replaces_the_optimizers_grid_at_that_size_and_the_blocked_o
     ({"XL": {"AdamW": (1e-3, 2e-3, 4e-3)}}, "sizes it does not have: \\['XL'\\]"),
     ({"M": {"AdamW": (1e-3, 3e-3, 9e-3)}}, "lr grid of AdamW at size M must be ascending"),
     ({"M": {"AdamW": (1e-3, 2e-3)}}, "lr grid of AdamW at size M needs at least 3 values"),
+    ({"M": {"Adamw": (1e-3, 2e-3, 4e-3)}}, "names optimizers it does not run: \\['Adamw'\\]"),
 ])
 def test_a_bad_size_grid_is_rejected_naming_the_size(size_grids, match):
     bad = study.Preset(**{**vars(study.PRESETS["reduced"]), "size_grids": size_grids})

@@ -29,6 +29,7 @@ stderr reports each finished run with the elapsed time and an ETA.
     python docs/scripts/scaling_study.py --preset reduced   # tiny sizes, a few steps: seconds (the tests')
     python docs/scripts/scaling_study.py --preset gpu       # on a CUDA GPU: the largest size and a GPT-2-small shape
     python docs/scripts/scaling_study.py --estimate-only    # time a few steps of every size and optimizer, then stop
+    python docs/scripts/scaling_study.py --candidate FISMO-T-mu1e-1 --out DIR   # FISMO-T with settings changed
     python docs/scripts/scaling_study.py --report-only      # the report and plot again from DIR/results.json
 
 Outputs under ``--out`` (default ``scaling-results``): ``results.json`` (every run, the lr
@@ -196,6 +197,11 @@ def check_preset(preset: Preset) -> None:
     unknown = set(preset.size_grids) - {size.name for size in preset.sizes}
     if unknown:
         raise ValueError(f"preset {preset.name!r}: size_grids names sizes it does not have: {sorted(unknown)}")
+    runs = {*OPTIMIZERS, preset.blocked}
+    strays = sorted({opt for per in preset.size_grids.values() for opt in per} - runs)
+    if strays:  # a misspelt name would leave its optimizer on the default grid without a word
+        raise ValueError(f"preset {preset.name!r}: size_grids names optimizers it does not run: {strays} "
+                         f"(grids are under {sorted(runs)})")
     grids = [(None, opt, preset.grids.get(opt)) for opt in OPTIMIZERS]
     grids += [(size.name, opt, grid) for size in preset.sizes for opt, grid in preset.size_grids.get(size.name, {}).items()]
     for size_name, optimizer, grid in grids:

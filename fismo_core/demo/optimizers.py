@@ -120,9 +120,13 @@ def _parse_fismo(name: str) -> Optional[tuple[str, dict]]:
             return None
         for setting in settings:
             for key, value in setting.items():
-                if key in options and not (isinstance(value, dict) and not options[key].keys() & value.keys()):
+                old = options.get(key)
+                if isinstance(old, dict) and isinstance(value, dict) and not old.keys() & value.keys():
+                    options[key] = {**old, **copy.deepcopy(value)}  # two fields of one config
+                elif key in options:
                     return None  # two modifiers that change the same setting
-                options[key] = {**options[key], **value} if key in options else copy.deepcopy(value)
+                else:
+                    options[key] = copy.deepcopy(value)  # the table's dicts stay as they are
     return base, options
 
 
