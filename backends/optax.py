@@ -558,7 +558,9 @@ def fismo_training(
     other leaves get optax's AdamW as ``optax.contrib.muon`` builds it
     (``adam_*``, the same ``eps`` and ``nesterov``). On top come the core's
     [`TRAINING`][fismo_core.optimizer.TRAINING]: scale-invariant statistics,
-    Nesterov, decoupled weight decay 0.1, roots every 10 steps, blocks of 512 on longer sides. It is *not*
+    Nesterov, decoupled weight decay 0.1, damping ``mu`` 0.1, roots every 10 steps, blocks of 512 on
+    longer sides; the preconditioners' products in the leaves' dtype, as the iteration (the torch
+    adapter's are in bfloat16, as ``torch.optim.Muon``'s iteration). It is *not*
     Algorithm 1, which stays [`fismo`][fismo_core.backends.optax.fismo].
 
     Where it differs from ``optax.contrib.muon``: ``weight_decay`` defaults to

@@ -205,9 +205,12 @@ class FISMO(Optimizer):
         ``ns_steps``; ``adjust_lr_fn=None`` means ``"original"``,
         ``lr * sqrt(max(1, m/n))``, as in ``torch.optim.Muon``). On top of
         them come the core's [`TRAINING`][fismo_core.optimizer.TRAINING]
-        (scale-invariant statistics, roots every 10 steps, blocks of 512) and Muon's
-        bfloat16 iteration (``polar`` dtype ``"bfloat16"``). This is *not*
-        Algorithm 1, which stays ``FISMO(params)``.
+        (scale-invariant statistics, damping ``mu`` 0.1, roots every 10 steps,
+        blocks of 512) and Muon's bfloat16: its iteration (``polar`` dtype
+        ``"bfloat16"``) and, in the same precision, the products of lines 4–6
+        and 8 (``inv_root`` ``matmul_dtype="bfloat16"``; the statistics stay
+        in the parameters' dtype). This is *not* Algorithm 1, which stays
+        ``FISMO(params)``.
 
         ``fismo_options`` are any other keyword of ``FISMO`` (``gamma``,
         ``mu``, ``block_size``, ``statistics``, ``inv_root``, ``polar``,
@@ -241,7 +244,7 @@ class FISMO(Optimizer):
         except (TypeError, ValueError) as exc:
             given = ", ".join(f"{k}={v!r}" for k, v in muon.items())
             raise type(exc)(f"FISMO.training({given}): {exc}") from None
-        preset = {**TRAINING, "polar": dataclasses.asdict(polar)}
+        preset = training_options(TRAINING, {"polar": dataclasses.asdict(polar), "inv_root": {"matmul_dtype": "bfloat16"}})
         muon_conventions = {"weight_decay": weight_decay, "nesterov": nesterov, "beta": momentum,
                             "adjust_lr_fn": "original" if adjust_lr_fn is None else adjust_lr_fn}
         # The constructor checks the other values before anything is built, naming them.

@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         "library's source, on the CPU and offline, with FISMO (printed and scale-invariant statistics, "
         "and the training configuration FISMO-T), Muon (configured as printed FISMO, and torch.optim.Muon at "
         "its defaults), AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
-        "condition numbers of the updates and FISMO's preconditioners. 55 CPU-minutes on an AVX2 CPU without "
-        "bfloat16 instructions (--quick: 6 CPU-minutes); see docs/results.md.",
+        "condition numbers of the updates and FISMO's preconditioners. 24 CPU-minutes on a CPU with bfloat16 "
+        "instructions (AVX-512 BF16; more where bfloat16 is emulated) (--quick: 3 to 6 CPU-minutes); see "
+        "docs/results.md.",
     )
     demo.add_argument("--out", default="fismo-results", help="output directory (default fismo-results/)")
     demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: about 6 CPU-minutes (3 minutes on 2 idle cores)")

@@ -211,11 +211,9 @@ def test_training_configuration_and_torch_muon_are_built_at_torch_defaults() -> 
     ("control", "key", "value"),
     [("FISMO-T-printed", "statistics", "printed"), ("FISMO-T-no-nesterov", "nesterov", False),
      ("FISMO-T-no-wd", "weight_decay", 0.0), ("FISMO-T-every1", "inv_root", 1), ("FISMO-T-B16", "block_size", 16),
+     ("FISMO-T-mu1e-3", "mu", 1e-3), ("FISMO-T-fp32mm", "inv_root", "float32"),
      # docs/scripts/root_staleness.py's controls
-     ("FISMO-T-every2", "inv_root", 2), ("FISMO-T-every5", "inv_root", 5), ("FISMO-T-mu1e-2", "mu", 1e-2),
-     ("FISMO-T-mu1e-1", "mu", 1e-1),
-     # docs/scripts/scaling_study.py's --candidate
-     ("FISMO-T-bf16mm", "inv_root", "bfloat16")],
+     ("FISMO-T-every2", "inv_root", 2), ("FISMO-T-every5", "inv_root", 5), ("FISMO-T-mu1e-2", "mu", 1e-2)],
 )
 def test_training_controls_change_one_setting(control: str, key: str, value: object) -> None:
     """Each control of FISMO-T differs from FISMO-T in the one setting its name says, and in nothing else."""
@@ -230,7 +228,7 @@ def test_training_controls_change_one_setting(control: str, key: str, value: obj
     if key == "inv_root":  # the one field of the config that changes
         field = "matmul_dtype" if isinstance(value, str) else "every"
         assert _field(changed[0][key], field) == value
-        assert {"every": 10, "matmul_dtype": None, field: value} == {
+        assert {"every": 10, "matmul_dtype": "bfloat16", field: value} == {
             name: _field(changed[0][key], name) for name in ("every", "matmul_dtype")}
     else:
         assert changed[0][key] == value
@@ -280,6 +278,34 @@ def test_fismo_run_records_preconditioners() -> None:
     assert all(c >= 1 for c in h.cond_P + h.cond_Q)  # condition numbers of SPD matrices
     assert h.P_dev[-1] > 0.1  # the scale-invariant statistics move P at once (the printed ones do not)
     assert 0 < result.cpu_seconds and 0 < result.seconds
+
+
+def test_a_run_whose_roots_fail_stops_and_is_marked_diverged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``InverseRootError`` (the roots failed ``max_failures`` steps in a row; the step not taken) ends the run as
+    diverged, as a non-finite loss does, instead of ending the whole demo."""
+    import fismo_core.demo.train as train_module
+    from fismo_core.guards import InverseRootError
+
+    calls = []
+
+    def failing(name, model, lr, adamw_lr):
+        built = build_optimizer(name, model, lr, adamw_lr)
+
+        def step() -> None:
+            calls.append(1)
+            if len(calls) == 3:
+                raise InverseRootError("the roots failed")
+            type(built).step(built)
+
+        built.step = step
+        return built
+
+    monkeypatch.setattr(train_module, "build_optimizer", failing)
+    spec = RunSpec(DigitsTask(), "FISMO-T", 0.01, seed=0, steps=6, adamw_lr=3e-3, eval_every=2, measure_every=2,
+                   warmup=1)
+    result = train(spec)
+    assert result.diverged and result.final_val_loss == math.inf and len(calls) == 3
+    assert result.history.eval_step == [0, 2]  # the evaluations before the failure, none after
 
 
 def test_journal_reuses_finished_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -649,15 +675,28 @@ def test_python_m_fismo_core_demo_help() -> None:
 
 
 def test_modifiers_of_different_settings_join_and_of_the_same_setting_are_refused() -> None:
-    """``FISMO-T-mu1e-1-bf16mm`` is FISMO-T with both settings; two changes of one setting are not a name."""
+    """``FISMO-T-mu1e-3-fp32mm`` is FISMO-T with both settings; two changes of one setting are not a name."""
     model = TinyGPT(layers=1)
     base = _group_settings(build_optimizer("FISMO-T", model, 0.02, 3e-3).fismo)[0]
-    both = _group_settings(build_optimizer("FISMO-T-mu1e-1-bf16mm", model, 0.02, 3e-3).fismo)[0]
+    both = _group_settings(build_optimizer("FISMO-T-mu1e-3-fp32mm", model, 0.02, 3e-3).fismo)[0]
     assert {k for k in base if base[k] != both[k]} == {"mu", "inv_root"}
-    assert both["mu"] == 0.1 and _field(both["inv_root"], "matmul_dtype") == "bfloat16"
+    assert both["mu"] == 1e-3 and _field(both["inv_root"], "matmul_dtype") == "float32"
     assert _field(both["inv_root"], "every") == 10  # the preset's, kept
-    joined = control_change("FISMO-T-B16-every1-bf16mm")  # two fields of one config, and blocks
-    assert joined == {"block_size": 16, "inv_root": {"every": 1, "matmul_dtype": "bfloat16"}}
-    for name in ("FISMO-T-mu1e-1-mu1e-2", "FISMO-T-every1-every2", "FISMO-T-mu1e-1-", "FISMO-T-bf16-mu1e-1"):
+    joined = control_change("FISMO-T-B16-every1-fp32mm")  # two fields of one config, and blocks
+    assert joined == {"block_size": 16, "inv_root": {"every": 1, "matmul_dtype": "float32"}}
+    for name in ("FISMO-T-mu1e-3-mu1e-2", "FISMO-T-every1-every2", "FISMO-T-mu1e-3-", "FISMO-T-bf16-mu1e-3"):
         with pytest.raises(ValueError, match="not a FISMO control"):
             control_change(name)
+
+
+def test_the_staleness_scripts_variants_are_names_of_the_naming_rule() -> None:
+    """docs/scripts/root_staleness.py's rows: each a FISMO-T control; the refresh intervals at the printed damping."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("root_staleness", ROOT / "docs" / "scripts" / "root_staleness.py")
+    staleness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(staleness)
+    changes = {name: control_change(f"FISMO-T-{name}") for name in staleness.VARIANTS}
+    assert changes["mu1e-3"] == {"mu": 1e-3}
+    assert {c["inv_root"]["every"] for c in changes.values() if "inv_root" in c} == {1, 2, 5}
+    assert all(c.get("mu") in (1e-3, 1e-2) for c in changes.values())

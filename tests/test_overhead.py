@@ -166,13 +166,15 @@ def test_the_training_step_compares_the_training_configuration_with_muon_on_the_
     assert [p.shape for p in rest["params"]] == [p.shape for p in adamw.param_groups[0]["params"]]
     # The training configuration (issue 20's decisions), and torch.optim.AdamW's defaults on the rest.
     assert (matrices["statistics"], matrices["nesterov"], matrices["weight_decay"]) == ("scale_invariant", True, 0.1)
-    assert matrices["inv_root"]["every"] == 10 and matrices["polar"]["dtype"] == "bfloat16"
-    # The float32 twins: the same configuration with its polar in float32, and that at gamma = 1 (Muon).
+    assert matrices["mu"] == 0.1 and matrices["inv_root"]["every"] == 10
+    assert matrices["polar"]["dtype"] == matrices["inv_root"]["matmul_dtype"] == "bfloat16"
+    # The float32 twins: the same configuration with its polar and products in float32, and that at gamma = 1 (Muon).
     (twin,) = runs["fismo-t-fp32"][2]
     (muon_twin,) = runs["muon-fp32"][2]
     for group, gamma in ((twin.param_groups[0], matrices["gamma"]), (muon_twin.param_groups[0], 1.0)):
-        assert group["polar"]["dtype"] is None and group["gamma"] == gamma
-        assert all(group[k] == matrices[k] for k in ("statistics", "nesterov", "weight_decay", "inv_root", "lr"))
+        assert group["polar"]["dtype"] is None and group["inv_root"]["matmul_dtype"] is None and group["gamma"] == gamma
+        assert group["inv_root"] == {**matrices["inv_root"], "matmul_dtype": None}
+        assert all(group[k] == matrices[k] for k in ("statistics", "nesterov", "weight_decay", "mu", "lr"))
     reference = torch.optim.AdamW([torch.zeros(1)]).defaults
     assert rest["algorithm"] == "adamw"
     assert all(rest[k] == reference[k] for k in ("lr", "betas", "eps", "weight_decay"))

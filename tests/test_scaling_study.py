@@ -74,9 +74,15 @@ def test_a_size_grid_replaces_the_optimizers_grid_at_that_size_and_the_blocked_o
     small, large = preset.sizes[0], preset.sizes[-1]
     assert preset.grid(small, "Muon-torch") == study.GRIDS["Muon-torch"]  # no override at S
     assert preset.grid(large, "FISMO-T") == preset.size_grids["L"]["FISMO-T"] != study.GRIDS["FISMO-T"]
-    assert preset.grid(large, preset.blocked) == preset.grid(large, "FISMO-T")
+    assert preset.grid(large, preset.blocked) == preset.size_grids["L"][preset.blocked]
+    follows = study.Preset(**{**vars(preset), "size_grids": {"L": {"FISMO-T": (0.02, 0.04, 0.08)}}})
+    assert follows.grid(large, preset.blocked) == follows.grid(large, "FISMO-T") == (0.02, 0.04, 0.08)
     own = study.Preset(**{**vars(preset), "size_grids": {"L": {preset.blocked: (0.02, 0.04, 0.08)}}})
     assert own.grid(large, preset.blocked) == (0.02, 0.04, 0.08) and own.grid(large, "FISMO-T") == study.GRIDS["FISMO-T"]
+    # Another candidate keeps the grids named by the default names.
+    other = study.replace(preset, candidate="FISMO-T-mu1e-3")
+    assert other.grid(large, other.blocked) == preset.grid(large, preset.blocked)
+    assert other.grid(large, other.candidate) == preset.grid(large, "FISMO-T")
 
 
 @pytest.mark.parametrize("size_grids, match", [
@@ -262,26 +268,37 @@ def test_a_resumed_study_trains_only_the_missing_runs_and_gets_the_same_losses(r
 
 # ----------------------------------------------------------------------------- another candidate
 def test_a_candidate_with_one_setting_changed_is_named_blocked_and_gridded_as_fismo_t():
-    preset = study.replace(study.PRESETS["full"], candidate="FISMO-T-mu1e-1")
+    preset = study.replace(study.PRESETS["full"], candidate="FISMO-T-mu1e-3")
     study.check_preset(preset)
     large = preset.sizes[-1]
-    assert preset.blocked == "FISMO-T-B64-mu1e-1"
-    assert preset.optimizers(large) == ("FISMO-T-mu1e-1", "FISMO-T-B64-mu1e-1", "Muon-torch", "AdamW")
-    assert preset.optimizers(preset.sizes[0]) == ("FISMO-T-mu1e-1", "Muon-torch", "AdamW")
-    assert preset.grid(large, "FISMO-T-mu1e-1") == preset.grid(large, "FISMO-T") == preset.size_grids["L"]["FISMO-T"]
-    assert preset.grid(large, preset.blocked) == preset.grid(large, "FISMO-T")
+    assert preset.blocked == "FISMO-T-B64-mu1e-3"
+    assert preset.optimizers(large) == ("FISMO-T-mu1e-3", "FISMO-T-B64-mu1e-3", "Muon-torch", "AdamW")
+    assert preset.optimizers(preset.sizes[0]) == ("FISMO-T-mu1e-3", "Muon-torch", "AdamW")
+    assert preset.grid(large, "FISMO-T-mu1e-3") == preset.grid(large, "FISMO-T") == preset.size_grids["L"]["FISMO-T"]
+    assert preset.grid(large, preset.blocked) == preset.size_grids["L"]["FISMO-T-B64"]  # named by the default name
     model = preset.task(preset.sizes[0]).model()
     for name in preset.optimizers(large)[:2]:  # the one setting reaches the optimizer, blocks only in the blocked one
         fismo = study.build_optimizer(name, model, 0.01, 3e-3).fismo
-        assert fismo.defaults["mu"] == 0.1 and fismo.defaults["block_size"] == (64 if "-B64" in name else 512)
-    joined = study.replace(preset, candidate="FISMO-T-mu1e-1-bf16mm")  # modifiers of two settings
+        assert fismo.defaults["mu"] == 1e-3 and fismo.defaults["block_size"] == (64 if "-B64" in name else 512)
+    joined = study.replace(preset, candidate="FISMO-T-mu1e-3-fp32mm")  # modifiers of two settings
     study.check_preset(joined)
-    assert joined.blocked == "FISMO-T-B64-mu1e-1-bf16mm"
+    assert joined.blocked == "FISMO-T-B64-mu1e-3-fp32mm"
     fismo = study.build_optimizer(joined.blocked, model, 0.01, 3e-3).fismo
-    assert fismo.defaults["mu"] == 0.1 and fismo.defaults["inv_root"]["matmul_dtype"] == "bfloat16"
+    assert fismo.defaults["mu"] == 1e-3 and fismo.defaults["inv_root"]["matmul_dtype"] == "float32"
 
 
-@pytest.mark.parametrize("candidate", ["FISMO-T-B32", "FISMO-T-B32-mu1e-1", "FISMO-SI", "FISMO-T-nonsense", "Muon"])
+def test_a_runs_record_holds_its_hyperparameters_so_a_changed_default_is_not_reused():
+    """A FISMO run's key holds what its name means (the built group's settings), the baselines' do not need to."""
+    task = study.PRESETS["reduced"].task(study.PRESETS["reduced"].sizes[0])
+    run = study.StudyRun("XS", task, "FISMO-T", 0.01, 0, 6, 1, 3e-3)
+    key = json.loads(run.key())
+    assert key["hyperparameters"]["mu"] == 0.1 and key["hyperparameters"]["inv_root"]["every"] == 10
+    other = json.loads(study.replace(run, optimizer="FISMO-T-mu1e-3").key())
+    assert other["hyperparameters"]["mu"] == 1e-3
+    assert "hyperparameters" not in json.loads(study.replace(run, optimizer="Muon-torch").key())
+
+
+@pytest.mark.parametrize("candidate", ["FISMO-T-B32", "FISMO-T-B32-mu1e-3", "FISMO-SI", "FISMO-T-nonsense", "Muon"])
 def test_a_candidate_that_is_not_fismo_t_with_one_setting_changed_is_refused(candidate, capsys):
     with pytest.raises(ValueError, match=f"candidate '{candidate}' is not FISMO-T"):
         study.check_preset(study.replace(study.PRESETS["full"], candidate=candidate))
@@ -295,15 +312,15 @@ def test_a_study_of_another_candidate_reuses_the_baselines_runs_and_trains_only_
     other = tmp_path / "other"
     shutil.copytree(out, other)
     done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "reduced", "--jobs", "1", "--out", str(other),
-                           "--candidate", "FISMO-T-mu1e-1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "--candidate", "FISMO-T-mu1e-3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     again = json.loads((other / "results.json").read_text())
-    preset = study.replace(study.PRESETS["reduced"], candidate="FISMO-T-mu1e-1")
-    assert again["config"]["candidate"] == "FISMO-T-mu1e-1"
+    preset = study.replace(study.PRESETS["reduced"], candidate="FISMO-T-mu1e-3")
+    assert again["config"]["candidate"] == "FISMO-T-mu1e-3"
     names = {r["optimizer"] for r in again["runs"]}
-    assert names == {"FISMO-T-mu1e-1", preset.blocked, "Muon-torch", "AdamW"}
+    assert names == {"FISMO-T-mu1e-3", preset.blocked, "Muon-torch", "AdamW"}
     baselines = [r for r in doc["runs"] if r["optimizer"] in ("Muon-torch", "AdamW")]
     assert again["reused"] == len(baselines) and again["trained"] == len(again["runs"]) - len(baselines)
     assert {r["key"] for r in baselines} <= {r["key"] for r in again["runs"]}
-    assert set(again["gain"][preset.sizes[-1].name]) == {"FISMO-T-mu1e-1", preset.blocked}
-    assert "# Scaling study: FISMO-T-mu1e-1 against torch.optim.Muon" in (other / "report.md").read_text()
+    assert set(again["gain"][preset.sizes[-1].name]) == {"FISMO-T-mu1e-3", preset.blocked}
+    assert "# Scaling study: FISMO-T-mu1e-3 against torch.optim.Muon" in (other / "report.md").read_text()

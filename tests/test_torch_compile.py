@@ -201,7 +201,7 @@ def test_a_cnn_with_batchnorm_blocks_and_skipped_steps_does_not_recompile():
 
 
 def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
-    """``FISMO.training`` (roots every 10 steps, bfloat16 polar, Nesterov, weight decay) under
+    """``FISMO.training`` (roots every 10 steps, bfloat16 polar and products, Nesterov, weight decay) under
     ``nonfinite="propagate"``: one graph through a refresh step (12 steps: refreshes at 0 and 10),
     no recompile, eager bit for bit."""
     model, twin, frames = _compiled_and_eager(

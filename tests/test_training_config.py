@@ -1,7 +1,7 @@
 """The training configuration ("FISMO-T", issue 20): what it is, setting by setting, in the core, torch and optax.
 
 It is the printed Algorithm 1 plus ``fismo_core.TRAINING`` (scale-invariant
-statistics, Nesterov, decoupled weight decay 0.1, roots every 10 steps, blocks of
+statistics, Nesterov, decoupled weight decay 0.1, damping 0.1, roots every 10 steps, blocks of
 512 on longer sides), and
 in the adapters Muon's conventions, under the signatures of
 ``torch.optim.Muon`` and ``optax.contrib.muon``. The tests pin each setting,
@@ -29,15 +29,17 @@ from test_algorithm import TOL_MUON, _check_close, _muon_case, _muon_reference, 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 #: The configuration, written out here (not read from the code under test).
-SETTINGS = {"statistics": "scale_invariant", "nesterov": True, "weight_decay": 0.1, "every": 10, "block_size": 512}
+SETTINGS = {"statistics": "scale_invariant", "nesterov": True, "weight_decay": 0.1, "mu": 0.1, "every": 10,
+            "block_size": 512}
 
 
 # ------------------------------------------------------------------ core
-def test_training_preset_is_the_five_settings_and_read_only() -> None:
+def test_training_preset_is_the_six_settings_and_read_only() -> None:
     assert dict(TRAINING) == {
         "statistics": SETTINGS["statistics"],
         "nesterov": SETTINGS["nesterov"],
         "weight_decay": SETTINGS["weight_decay"],
+        "mu": SETTINGS["mu"],
         "inv_root": {"every": SETTINGS["every"]},
         "block_size": SETTINGS["block_size"],
     }
@@ -50,15 +52,16 @@ def test_training_preset_is_the_five_settings_and_read_only() -> None:
 def test_core_training_is_the_printed_algorithm_plus_the_settings() -> None:
     """Each setting of ``FISMO.training()``; every other hyperparameter is ``FISMO()``'s, which stays Algorithm 1."""
     printed, training = FISMO(), FISMO.training()
-    assert (printed.statistics, printed.nesterov, printed.weight_decay, printed.inv_root.every) == (
-        "printed", False, 0.0, 1
+    assert (printed.statistics, printed.nesterov, printed.weight_decay, printed.mu, printed.inv_root.every) == (
+        "printed", False, 0.0, 1e-3, 1
     )
     assert training.statistics == SETTINGS["statistics"]
     assert training.nesterov is SETTINGS["nesterov"]
     assert training.weight_decay == SETTINGS["weight_decay"]
+    assert training.mu == SETTINGS["mu"]
     assert training.inv_root == InverseRootConfig(every=SETTINGS["every"])
     assert training.block_size == SETTINGS["block_size"] and printed.block_size is None
-    changed = {"statistics", "nesterov", "weight_decay", "inv_root", "block_size"}
+    changed = {"statistics", "nesterov", "weight_decay", "mu", "inv_root", "block_size"}
     for f in dataclasses.fields(FISMO):
         if f.name not in changed:
             assert getattr(training, f.name) == getattr(printed, f.name), f.name
@@ -92,9 +95,9 @@ def test_core_bad_overrides_name_the_keyword() -> None:
 
 
 def test_core_training_undone_is_the_printed_algorithm() -> None:
-    """Overriding the five settings gives ``FISMO(...)`` itself: the configuration adds settings, nothing else."""
+    """Overriding the six settings gives ``FISMO(...)`` itself: the configuration adds settings, nothing else."""
     undone = FISMO.training(
-        statistics="printed", nesterov=False, weight_decay=0.0, inv_root={"every": 1}, block_size=None
+        statistics="printed", nesterov=False, weight_decay=0.0, mu=1e-3, inv_root={"every": 1}, block_size=None
     )
     assert undone == FISMO()
 
@@ -102,7 +105,7 @@ def test_core_training_undone_is_the_printed_algorithm() -> None:
 @pytest.mark.parametrize("nesterov", [False, True], ids=["ema", "nesterov"])
 @pytest.mark.parametrize("shape", [(6, 4), (4, 6)], ids=["tall", "wide"])
 def test_core_training_at_gamma_one_is_the_printed_muon_equivalence(target: Target, shape, nesterov) -> None:
-    """``FISMO.training(gamma=1, statistics="printed", weight_decay=0, inv_root={"every": 1})`` is Muon (EMA momentum).
+    """``FISMO.training(gamma=1, statistics="printed", weight_decay=0, mu=1e-3, inv_root={"every": 1})`` is Muon.
 
     The same check, reference and tolerances as ``test_algorithm.py::test_gamma_one_is_muon`` (``TOL_MUON``:
     float64 4e-15, float32 2e-6 relative error of every ``W_t`` over 20 steps, measured there at ~10x below).
@@ -111,7 +114,7 @@ def test_core_training_at_gamma_one_is_the_printed_muon_equivalence(target: Targ
     W0, grads = _muon_case(shape)
     expected = _muon_reference(W0, grads, lr=lr, beta=beta, nesterov=nesterov)
     opt = FISMO.training(lr=lr, beta=beta, gamma=1.0, statistics="printed", nesterov=nesterov, weight_decay=0.0,
-                         inv_root={"every": 1}, block_size=None)
+                         mu=1e-3, inv_root={"every": 1}, block_size=None)
     assert opt == FISMO(lr=lr, beta=beta, gamma=1.0, nesterov=nesterov)
     W = target.asarray(W0)
     state = opt.init(W)
@@ -154,8 +157,9 @@ def test_torch_training_settings() -> None:
     printed = TorchFISMO([torch.nn.Parameter(torch.zeros(6, 4))]).param_groups[0]
     expected = {
         "lr": 1e-3, "beta": 0.95, "nesterov": True, "weight_decay": 0.1, "adjust_lr_fn": "original",
-        "statistics": "scale_invariant", "block_size": 512,
-        "inv_root": {**printed["inv_root"], "every": 10},
+        "statistics": "scale_invariant", "block_size": 512, "mu": 0.1,
+        # Muon's bfloat16 for the preconditioners' products too (the torch adapter's convention).
+        "inv_root": {**printed["inv_root"], "every": 10, "matmul_dtype": "bfloat16"},
         "polar": dataclasses.asdict(PolarConfig(
             coefficients=((3.4445, -4.775, 2.0315),), steps=5, eps=1e-7, dtype="bfloat16"
         )),
@@ -193,7 +197,9 @@ def test_torch_training_options_override_the_preset() -> None:
     ).param_groups[0]
     assert (group["gamma"], group["block_size"], group["statistics"]) == (0.9, 2, "printed")
     assert group["polar"]["dtype"] is None and group["polar"]["steps"] == 3  # merged field-wise
-    assert group["inv_root"]["every"] == 1
+    assert group["inv_root"]["every"] == 1 and group["inv_root"]["matmul_dtype"] == "bfloat16"  # merged field-wise
+    group = TorchFISMO.training([W], mu=1e-3, inv_root={"matmul_dtype": None}).param_groups[0]
+    assert group["mu"] == 1e-3 and group["inv_root"]["matmul_dtype"] is None and group["inv_root"]["every"] == 10
 
 
 def test_torch_training_takes_param_groups_with_adamw() -> None:
@@ -244,7 +250,9 @@ def test_torch_training_bad_input_names_the_argument(given, error, message) -> N
 #: So they are not bit-identical: two independent bfloat16 errors (unit roundoff 2^-9, amplified by the
 #: quintic's slope) differ. Measured over 30 seeds, the same under the default, AVX2 and AVX-512 kernel
 #: sets: the 20 updates of a matrix (stacked) differ by at most 4.1e-2 relative, the parameters after 20
-#: steps by at most 7.1e-3. The bars, 0.1 and 2e-2, leave 2.4x and 2.8x; a 10x margin would let slips
+#: steps by at most 7.1e-3 (with the preconditioners' products in bfloat16 too, the configuration's
+#: default since, 4.0e-2 and 7.2e-3 on an AVX-512 BF16 CPU: at gamma = 1 they round the gradient and the
+#: update to bfloat16, which Muon's iteration does as well). The bars, 0.1 and 2e-2, leave 2.4x and 2.8x; a 10x margin would let slips
 #: through: the negative controls below (measured minima over 10 seeds) are the other Nesterov setting
 #: (updates 0.51), the other lr adjustment (0.20), momentum 0.9 (0.31), and no weight decay, which shows
 #: only in the parameters (3.8e-2).
@@ -360,7 +368,7 @@ def test_optax_training_settings() -> None:
 
     params = {"square": _optax_params()["square"]}
     settings = dict(statistics=SETTINGS["statistics"], nesterov=SETTINGS["nesterov"], beta=0.95,
-                    weight_decay=SETTINGS["weight_decay"], inv_root={"every": SETTINGS["every"]},
+                    weight_decay=SETTINGS["weight_decay"], mu=SETTINGS["mu"], inv_root={"every": SETTINGS["every"]},
                     block_size=SETTINGS["block_size"], polar={"coefficients": MUON_COEFFICIENTS, "steps": 5, "eps": 1e-8, "dtype": None})
     ours = _optax_run(fismo_training(0.02), params, 12)
     written_out = _optax_run(fismo(0.02, **settings), params, 12)

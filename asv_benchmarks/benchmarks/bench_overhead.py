@@ -447,14 +447,14 @@ TRAINING_STEP_SIZES = [(64, 2), (32, 2), (64, 4), (128, 5)]
 #: configuration, ``fismo_core.backends.torch.FISMO.training`` at its (Muon's) defaults; both with
 #: ``torch.optim.AdamW`` at its defaults on the rest (embeddings, norms, biases, the head). Both
 #: iterate in bfloat16, which CPUs without bf16 instructions (AVX2) emulate many times slower than
-#: float32, so the float32 twins are timed too: the training configuration with its polar in
-#: float32, and the same with ``gamma=1`` (``P = Q = I``: Muon with Nesterov, weight decay and its
+#: float32, so the float32 twins are timed too: the training configuration with its polar and its
+#: preconditioners' products in float32, and the same with ``gamma=1`` (``P = Q = I``: Muon with Nesterov, weight decay and its
 #: learning-rate adjustment, iterating in float32, through FISMO's code).
 TRAINING_OPTIMIZERS = {
     "muon": "torch.optim.Muon (defaults) + AdamW",
     "fismo-t": "FISMO.training (defaults) + AdamW",
-    "muon-fp32": "FISMO.training(gamma=1, polar float32) + AdamW: Muon in float32",
-    "fismo-t-fp32": "FISMO.training(polar float32) + AdamW",
+    "muon-fp32": "FISMO.training(gamma=1, polar and products float32) + AdamW: Muon in float32",
+    "fismo-t-fp32": "FISMO.training(polar and products float32) + AdamW",
 }
 
 
@@ -480,9 +480,9 @@ def text_gpt_training(optimizer: str, dim: int = 64, layers: int = 2, seed: int 
     elif optimizer == "fismo-t":
         optimizers = [FISMO.training(groups)]  # its "adamw" group has torch.optim.AdamW's defaults
     elif optimizer == "fismo-t-fp32":
-        optimizers = [FISMO.training(groups, polar={"dtype": None})]
+        optimizers = [FISMO.training(groups, polar={"dtype": None}, inv_root={"matmul_dtype": None})]
     elif optimizer == "muon-fp32":
-        optimizers = [FISMO.training(groups, gamma=1.0, polar={"dtype": None})]
+        optimizers = [FISMO.training(groups, gamma=1.0, polar={"dtype": None}, inv_root={"matmul_dtype": None})]
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}: one of {list(TRAINING_OPTIMIZERS)}")
     gen = torch.Generator().manual_seed(seed)

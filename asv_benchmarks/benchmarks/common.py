@@ -99,20 +99,21 @@ MODEL_ANCHORS = ANCHORS + ["scalable-shampoo", "heavyball-soap", "heavyball-klsh
 CYCLE = {"eigh-every10": 10, "soap": 10, "heavyball-soap": 2, "heavyball-klshampoo": 2}
 
 #: The training configuration ("FISMO-T": ``FISMO.training()``, roots every 10 steps) as the torch
-#: optimizer runs it, the polar factor in bfloat16 (``torch.optim.Muon``'s convention), blocked:
-#: "training-B768". "-bf16mm" also takes the preconditioners' products in bfloat16
-#: (``inv_root={"matmul_dtype": "bfloat16"}``). Its default ``nonfinite="raise"`` is kept (the
-#: finiteness check and the roots' checks, with their host reads). One call is a cycle of 10 steps.
+#: optimizer runs it, in ``torch.optim.Muon``'s bfloat16 (the polar factor and the preconditioners'
+#: products, ``inv_root={"matmul_dtype": "bfloat16"}``), blocked: "training-B768". "-fp32mm" keeps the
+#: products in the parameters' dtype (the configuration's default before 2026-11-27). Its default
+#: ``nonfinite="raise"`` is kept (the finiteness check and the roots' checks, with their host reads).
+#: One call is a cycle of 10 steps.
 TRAINING_BLOCK_SIZES = [512, 768, 1024]
 for _B in TRAINING_BLOCK_SIZES:
-    VARIANTS[f"training-B{_B}"] = training_options(TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B})
-    VARIANTS[f"training-B{_B}-bf16mm"] = training_options(
+    VARIANTS[f"training-B{_B}"] = training_options(
         TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B, "inv_root": {"matmul_dtype": "bfloat16"}}
     )
-    # "-fp32": the polar in the parameters' dtype, for CPUs without bfloat16 instructions (where the
-    # bf16 iteration, torch.optim.Muon's too, is emulated) and for the float32 comparison.
+    VARIANTS[f"training-B{_B}-fp32mm"] = training_options(TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B})
+    # "-fp32": the polar and the products in the parameters' dtype, for CPUs without bfloat16 instructions
+    # (where bfloat16, torch.optim.Muon's too, is emulated) and for the float32 comparison.
     VARIANTS[f"training-B{_B}-fp32"] = training_options(TRAINING, {"block_size": _B})
-    CYCLE[f"training-B{_B}"] = CYCLE[f"training-B{_B}-bf16mm"] = CYCLE[f"training-B{_B}-fp32"] = TRAINING["inv_root"]["every"]
+    CYCLE[f"training-B{_B}"] = CYCLE[f"training-B{_B}-fp32mm"] = CYCLE[f"training-B{_B}-fp32"] = TRAINING["inv_root"]["every"]
 
 #: ``FISMO_ASV_SMOKE=1`` shrinks the grid to one small shape per backend: CI's smoke run.
 SMOKE = os.environ.get("FISMO_ASV_SMOKE") == "1"
@@ -129,7 +130,7 @@ if SMOKE:
 #: The FISMO configurations of the model sets: full (exact roots, no host reads) and blocked with
 #: each block size, each with the polar iteration in float32 and in bfloat16.
 MODEL_VARIANTS = ["eigh", "eigh-bf16"] + [f"eigh-B{B}" for B in BLOCK_SIZES] + [f"eigh-B{B}-bf16" for B in BLOCK_SIZES]
-MODEL_VARIANTS += [f"training-B{B}{suffix}" for B in TRAINING_BLOCK_SIZES for suffix in ("", "-bf16mm", "-fp32")]
+MODEL_VARIANTS += [f"training-B{B}{suffix}" for B in TRAINING_BLOCK_SIZES for suffix in ("", "-fp32mm", "-fp32")]
 if SMOKE:
     MODEL_VARIANTS = ["eigh-B32"]
     MODEL_ANCHORS = ["muon-float32"]

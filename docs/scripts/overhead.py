@@ -26,7 +26,7 @@
    text GPT (``TextTask``: d = 64, 2 layers) and of the scaling study's sizes (d = 32 with 2
    layers, 64 with 4, 128 with 5), the training configuration ``FISMO.training`` against
    ``torch.optim.Muon``, both at their defaults with ``torch.optim.AdamW`` on the rest, and their
-   float32 twins (the polar in float32; Muon as ``FISMO.training(gamma=1)``); the whole
+   float32 twins (the polar and the products in float32; Muon as ``FISMO.training(gamma=1)``); the whole
    step and ``opt.step`` alone, medians of interleaved 10-step cycles in one process
    (``training_step_times`` of ``asv_benchmarks/benchmarks/bench_overhead.py``).
 """

@@ -29,7 +29,7 @@ stderr reports each finished run with the elapsed time and an ETA.
     python docs/scripts/scaling_study.py --preset reduced   # tiny sizes, a few steps: seconds (the tests')
     python docs/scripts/scaling_study.py --preset gpu       # on a CUDA GPU: the largest size and a GPT-2-small shape
     python docs/scripts/scaling_study.py --estimate-only    # time a few steps of every size and optimizer, then stop
-    python docs/scripts/scaling_study.py --candidate FISMO-T-mu1e-1 --out DIR   # FISMO-T with settings changed
+    python docs/scripts/scaling_study.py --candidate FISMO-T-mu1e-3 --out DIR   # FISMO-T with settings changed
     python docs/scripts/scaling_study.py --report-only      # the report and plot again from DIR/results.json
 
 Outputs under ``--out`` (default ``scaling-results``): ``results.json`` (every run, the lr
@@ -57,7 +57,7 @@ from typing import Any, Optional
 
 import torch
 
-from fismo_core.demo.optimizers import build_optimizer, control_base, control_change
+from fismo_core.demo.optimizers import build_optimizer, control_base, control_change, fismo_settings
 from fismo_core.demo.report import _markdown_table, _minutes, _save, environment
 from fismo_core.demo.run import cpu_seconds, worker_pool
 from fismo_core.demo.tasks import TextTask
@@ -104,7 +104,7 @@ class Preset:
     # Per size name, grids that replace ``grids``' for some optimizers (the blocked one included by name).
     size_grids: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
     # The training configuration studied: FISMO-T, or FISMO-T with settings changed (a name of the demo's
-    # naming rule, e.g. FISMO-T-mu1e-1: damping 0.1), with CANDIDATE's grids; --candidate on the command line.
+    # naming rule, e.g. FISMO-T-mu1e-3: damping 1e-3), with CANDIDATE's grids; --candidate on the command line.
     candidate: str = CANDIDATE
 
     @property
@@ -120,15 +120,24 @@ class Preset:
     def grid(self, size: Size, optimizer: str) -> tuple[float, ...]:
         """The initial learning-rate grid of ``optimizer`` at ``size``: ``size_grids``' if it has one, else ``grids``'.
 
-        The candidate's grids are under ``CANDIDATE``'s name (whatever ``candidate`` is); the blocked one
-        falls back on them (of its size, then ``grids``').
+        ``size_grids`` name the candidates as FISMO-T and FISMO-T-B<B> (whatever ``candidate`` is); the blocked
+        one falls back on the candidate's grids (of its size, then ``grids``').
         """
         own = self.size_grids.get(size.name, {})
-        key = CANDIDATE if optimizer in (self.candidate, self.blocked) else optimizer
-        for name in (optimizer, key):
+        names = [optimizer]
+        if optimizer == self.blocked:
+            names += [self.default_blocked, CANDIDATE]
+        elif optimizer == self.candidate:
+            names.append(CANDIDATE)
+        for name in names:
             if name in own:
                 return own[name]
-        return self.grids[key]
+        return self.grids[names[-1]]
+
+    @property
+    def default_blocked(self) -> str:
+        """The blocked candidate's name in ``size_grids``: ``FISMO-T-B<B>``."""
+        return f"{CANDIDATE}-B{self.block_size}"
 
     def task(self, size: Size) -> TextTask:
         return TextTask(batch_size=self.batch_size, context=self.context, dim=size.dim, layers=size.layers,
@@ -148,15 +157,16 @@ PRESETS: dict[str, Preset] = {
     # About 43 K, 235 K and 1.06 M parameters (24x); tokens 0.41 M, 0.61 M and 0.82 M (batch 32 x context 64).
     # B = 64 splits every side of the largest size's matrices (128, 384 and 512). (A first version had L with
     # 6 layers and 800 steps: about 90 CPU-minutes for L alone, more than the 2-core budget allows.)
-    # The grids of S's FISMO-T and L's FISMO-T, FISMO-T-B64 and AdamW are centred where a first run of this
-    # preset (GRIDS at every size) selected them after extending GRIDS downwards: 6 runs fewer, the 90 minutes.
+    # The grids of L's FISMO-T, FISMO-T-B64 and AdamW are centred where earlier runs of this preset selected
+    # them after extending GRIDS (AdamW downwards; FISMO-T's damping 0.1 and bfloat16 products upwards, as
+    # --candidate FISMO-T-mu1e-1-bf16mm before they were its defaults): fewer runs, the 90 minutes.
     "full": Preset(
         name="full",
         sizes=(Size("S", 32, 2, 2, 200), Size("M", 64, 4, 4, 300), Size("L", 128, 5, 4, 400)),
         grids=GRIDS, block_size=64, batch_size=32, context=64, max_train_bytes=2_000_000,
         max_val_bytes=200_000, val_windows=512, pilot_steps=10,
-        size_grids={"S": {"FISMO-T": (0.005, 0.01, 0.02)},
-                    "L": {"FISMO-T": (0.0025, 0.005, 0.01), "AdamW": (7.5e-4, 1.5e-3, 3e-3)}},
+        size_grids={"L": {"FISMO-T": (0.005, 0.01, 0.02), "FISMO-T-B64": (0.01, 0.02, 0.04),
+                          "AdamW": (7.5e-4, 1.5e-3, 3e-3)}},
     ),
     # Point 6 of issue 20, on a GPU (needs CUDA): the full preset's largest size again, and a GPT-2-small-shaped
     # model (12 layers, d = 768, 12 heads; about 86 M parameters) for a short fixed budget of 300 steps.
@@ -197,7 +207,7 @@ def check_preset(preset: Preset) -> None:
     unknown = set(preset.size_grids) - {size.name for size in preset.sizes}
     if unknown:
         raise ValueError(f"preset {preset.name!r}: size_grids names sizes it does not have: {sorted(unknown)}")
-    runs = {*OPTIMIZERS, preset.blocked}
+    runs = {*OPTIMIZERS, preset.default_blocked}
     strays = sorted({opt for per in preset.size_grids.values() for opt in per} - runs)
     if strays:  # a misspelt name would leave its optimizer on the default grid without a word
         raise ValueError(f"preset {preset.name!r}: size_grids names optimizers it does not run: {strays} "
@@ -301,6 +311,9 @@ class StudyRun:
         settings = asdict(self)
         if settings["device"] == "cpu":  # the CPU runs' keys predate the device field
             del settings["device"]
+        hyperparameters = fismo_settings(self.optimizer)
+        if hyperparameters is not None:  # what the name means today: a changed default is another run
+            settings["hyperparameters"] = hyperparameters
         return json.dumps({**settings, "fismo": __version__, "torch": torch.__version__}, sort_keys=True)
 
     def label(self) -> str:
@@ -766,7 +779,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--pilot-steps", type=int, help="timed steps per size and optimizer for the estimate")
     parser.add_argument("--candidate", default=CANDIDATE,
                         help=f"the training configuration studied: {CANDIDATE} (default) or {CANDIDATE}-<modifier>, "
-                             "settings changed by modifiers, e.g. FISMO-T-mu1e-1 (damping 0.1), FISMO-T-mu1e-1-bf16mm; "
+                             "settings changed by modifiers, e.g. FISMO-T-mu1e-3 (damping 1e-3), FISMO-T-mu1e-3-fp32mm; "
                              "fismo_core.demo.optimizers")
     parser.add_argument("--report-only", action="store_true", help="write report.md and the plot from DIR/results.json")
     args = parser.parse_args(argv)

@@ -14,8 +14,9 @@
   instead of ``torch.optim.Muon``'s bfloat16.
 - **FISMO-T** and **Muon-torch**, the comparison a torch user makes:
   ``FISMO.training(groups, lr=lr)`` (the training configuration: scale-invariant
-  statistics, Nesterov, weight decay 0.1, roots every 10 steps, Muon's
-  learning-rate adjustment, Newton–Schulz in bfloat16) against
+  statistics, Nesterov, weight decay 0.1, damping 0.1, roots every 10 steps,
+  Muon's learning-rate adjustment, Newton–Schulz and the preconditioners'
+  products in bfloat16) against
   ``torch.optim.Muon(matrices, lr=lr)``, both at ``torch.optim.Muon``'s
   defaults for everything but the learning rate, with the same AdamW on the
   rest as above.
@@ -26,8 +27,10 @@
   cost anything?"), ``FISMO-bf16`` (the Newton–Schulz iteration of line 8
   in bfloat16, ``polar={"dtype": "bfloat16"}``, as ``torch.optim.Muon`` runs
   it), and the ablations of FISMO-T: ``FISMO-T-printed`` (the printed
-  statistics), ``FISMO-T-no-nesterov``, ``FISMO-T-no-wd`` (weight decay 0)
-  and ``FISMO-T-every1`` (the inverse roots recomputed at every step).
+  statistics), ``FISMO-T-no-nesterov``, ``FISMO-T-no-wd`` (weight decay 0),
+  ``FISMO-T-every1`` (the inverse roots recomputed at every step),
+  ``FISMO-T-mu1e-3`` (the printed damping) and ``FISMO-T-fp32mm`` (the
+  preconditioners' products in float32).
 - **AdamW**, **SGD** (momentum 0.9) and **SOAP** (``pytorch_optimizer.SOAP``,
   a Shampoo-family method, if the package is installed) on every parameter.
 
@@ -35,11 +38,11 @@ The one naming rule of FISMO runs: ``<base>[-B<B>][-<modifier>]``, where the
 base is ``FISMO``, ``FISMO-SI`` or ``FISMO-T``, ``-B<B>`` sets
 ``block_size=B``, and the modifier is one of the table ``_MODIFIERS``
 (``bf16`` for the printed bases; ``printed``, ``no-nesterov``, ``no-wd``,
-``every1`` for FISMO-T, ``every2``, ``every5``, ``mu1e-2``, ``mu1e-1``
-for ``docs/scripts/root_staleness.py``, and ``bf16mm``, the preconditioners'
-products in bfloat16, for the scaling study's ``--candidate``), each one
-setting changed. Modifiers that change different settings join with ``-``:
-``FISMO-T-mu1e-1-bf16mm`` is FISMO-T with both.
+``every1``, ``mu1e-3``, ``fp32mm`` for FISMO-T, and ``every2``, ``every5``,
+``mu1e-2`` for ``docs/scripts/root_staleness.py``), each one setting
+changed. Modifiers that change different settings join with ``-``:
+``FISMO-T-mu1e-3-fp32mm`` is FISMO-T with both (the configuration before
+its damping and products changed, the scaling study's ``--candidate``).
 
 FISMO and Muon are configured identically apart from the preconditioner:
 EMA momentum 0.95 without Nesterov (Algorithm 1 has none, so Muon's
@@ -74,6 +77,7 @@ __all__ = [
     "control_base",
     "control_change",
     "fismo_controls",
+    "fismo_settings",
     "soap_available",
 ]
 
@@ -93,17 +97,17 @@ _MODIFIERS: dict[str, tuple[tuple[str, ...], dict]] = {
     "no-nesterov": (("FISMO-T",), {"nesterov": False}),
     "no-wd": (("FISMO-T",), {"weight_decay": 0.0}),
     "every1": (("FISMO-T",), {"inv_root": {"every": 1}}),
+    "mu1e-3": (("FISMO-T",), {"mu": 1e-3}),
+    "fp32mm": (("FISMO-T",), {"inv_root": {"matmul_dtype": "float32"}}),
     # The staleness study's controls (docs/scripts/root_staleness.py), not run by the demo.
     "every2": (("FISMO-T",), {"inv_root": {"every": 2}}),
     "every5": (("FISMO-T",), {"inv_root": {"every": 5}}),
     "mu1e-2": (("FISMO-T",), {"mu": 1e-2}),
-    "mu1e-1": (("FISMO-T",), {"mu": 1e-1}),
-    # The scaling study's (docs/scripts/scaling_study.py --candidate), not run by the demo.
-    "bf16mm": (("FISMO-T",), {"inv_root": {"matmul_dtype": "bfloat16"}}),
 }
 
 #: The ablations of FISMO-T run on the text task, each one setting of the training configuration undone.
-TRAINING_ABLATIONS: tuple[str, ...] = ("FISMO-T-printed", "FISMO-T-no-nesterov", "FISMO-T-no-wd", "FISMO-T-every1")
+TRAINING_ABLATIONS: tuple[str, ...] = ("FISMO-T-printed", "FISMO-T-no-nesterov", "FISMO-T-no-wd", "FISMO-T-every1",
+                                       "FISMO-T-mu1e-3", "FISMO-T-fp32mm")
 
 
 def _parse_fismo(name: str) -> Optional[tuple[str, dict]]:
@@ -133,8 +137,8 @@ def _parse_fismo(name: str) -> Optional[tuple[str, dict]]:
 def _modifier_chain(text: str, base: str) -> Optional[list[dict]]:
     """The settings of ``text``, one modifier of ``base`` or several joined by ``-``; None if it is neither.
 
-    ``every1-bf16mm`` is ``every1`` then ``bf16mm``; modifiers hold hyphens themselves (``no-wd``,
-    ``mu1e-1``), so each split is tried.
+    ``every1-fp32mm`` is ``every1`` then ``fp32mm``; modifiers hold hyphens themselves (``no-wd``,
+    ``mu1e-3``), so each split is tried.
     """
     for modifier, (bases, setting) in _MODIFIERS.items():
         if base not in bases:
@@ -180,6 +184,19 @@ def control_base(name: str) -> str:
     if parsed is None or name in ALL_OPTIMIZERS:
         raise ValueError(f"{name!r} is not a control")
     return parsed[0]
+
+
+def fismo_settings(name: str) -> Optional[dict]:
+    """The hyperparameters of FISMO run ``name`` (its matrix group as built, without params and lr), or None.
+
+    None for a run that is not FISMO's. What a recorded run must match to stand for ``name`` again: a
+    name keeps its meaning only while the defaults behind it (``TRAINING``, the adapter's) stay the same.
+    """
+    if _parse_fismo(name) is None and name != "Muon-fp32":
+        return None
+    stand_in = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False))  # a matrix and a head
+    group = build_optimizer(name, stand_in, 1.0, 1.0).optimizers[0].param_groups[0]
+    return {key: value for key, value in group.items() if key not in ("params", "lr")}
 
 
 #: The optimizers in the condition-number figure (the paper's Figure "con_num", the variants, the controls).

@@ -17,7 +17,9 @@ steps (and at step 1) it also records
   (of the whole block-diagonal factor for the blocked controls).
 
 Every number is averaged over the hidden matrices. A run whose loss becomes
-NaN or infinite stops and is marked diverged.
+NaN or infinite stops and is marked diverged, as does a FISMO run whose
+inverse roots fail on more than ``max_failures`` consecutive steps
+(``InverseRootError``: the preconditioner has become too ill-conditioned).
 
 A run also times its training steps, wall and CPU (``time.perf_counter``,
 ``time.process_time``): the whole step (batch, forward, backward, optimizer
@@ -35,6 +37,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..guards import InverseRootError
 from .optimizers import BuiltOptimizer, build_optimizer
 from .tasks import Task
 
@@ -227,7 +230,11 @@ def train(spec: RunSpec, progress: Optional[Any] = None) -> RunResult:
             history.grad_rms.append(_mean([(g.double().pow(2).mean().sqrt()).item() for g in grads]))
             lr_now = spec.lr * lr_factor(step - 1, spec.steps, spec.warmup)
         started = _clock()
-        built.step()
+        try:
+            built.step()
+        except InverseRootError:  # the step was not taken: the run cannot go on
+            diverged = True
+            break
         optimizer_step = _since(started)
         for scheduler in schedulers:
             scheduler.step()
