@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -68,7 +69,9 @@ from ._torch_state import (
     unpack,
 )
 
-__all__ = ["ADAMW_DEFAULTS", "COUNTER_KEYS", "FISMO", "STATE_KEYS", "param_groups"]
+__all__ = [
+    "ADAMW_DEFAULTS", "COUNTER_KEYS", "FISMO", "STATE_KEYS", "bfloat16_is_native", "param_groups", "training_precision",
+]
 
 _CORE_DEFAULTS = CORE_DEFAULTS
 #: Keywords of torch's other optimizers that belong to the AdamW groups here.
@@ -76,6 +79,80 @@ _ADAMW_KEYWORD = (
     "a key of the AdamW groups (biases, norms, embeddings, the head): "
     "param_groups(model, adamw_options={{'{0}': ...}}), or {{'params': [...], 'algorithm': 'adamw', '{0}': ...}}"
 )
+
+
+#: oneDNN's CPU ISA limits (``ONEDNN_MAX_CPU_ISA``) below the first with bfloat16 dot products
+#: (``AVX512_CORE_BF16``): under them oneDNN emulates bfloat16 matrix products.
+_ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+
+
+def bfloat16_is_native(device: Union[torch.device, str]) -> bool:
+    """Whether torch multiplies bfloat16 matrices on ``device`` with bfloat16 instructions.
+
+    A CUDA GPU of compute capability 8.0 or later (Ampere on; on ROCm, what
+    ``torch.cuda.is_bf16_supported(including_emulation=False)`` says); a CPU
+    whose torch kernels are its AVX-512 ones
+    (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY``
+    lowers) with AVX512-BF16 or AMX-BF16 instructions, oneDNN enabled and not
+    limited below ``AVX512_CORE_BF16`` (``ONEDNN_MAX_CPU_ISA``). Elsewhere
+    bfloat16 is emulated, at several times float32's cost (measured on the
+    documentation page "Performance", "bfloat16 where it is native"). ARM
+    CPUs with BF16 and other devices are answered ``False``: untested.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        if torch.version.hip is not None:
+            with torch.cuda.device(device):
+                return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type != "cpu":
+        return False
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    if limit in _ONEDNN_ISAS_WITHOUT_BF16 or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        found = capabilities()
+        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def training_precision(native_bfloat16: bool) -> dict:
+    """The precision options [`FISMO.training`][fismo_core.backends.torch.FISMO.training] adds to the core's
+    [`TRAINING`][fismo_core.optimizer.TRAINING]: with ``native_bfloat16``
+    (every parameter's device has bfloat16 instructions,
+    [`bfloat16_is_native`][fismo_core.backends.torch.bfloat16_is_native]), ``torch.optim.Muon``'s bfloat16
+    for the polar iteration and the preconditioners' products; otherwise
+    ``None`` for both, the parameters' dtype (float32 for bf16 parameters,
+    whose state is float32)."""
+    dtype = "bfloat16" if native_bfloat16 else None
+    return {"polar": {"dtype": dtype}, "inv_root": {"matmul_dtype": dtype}}
+
+
+def _listed_with_devices(params: Any) -> tuple[Any, set]:
+    """``params`` with every iterable read into a list (a generator can be read once only) and the
+    devices of its tensors; what is not a tensor, a ``(name, tensor)`` pair or a group is left for
+    the constructor to refuse."""
+    if isinstance(params, (torch.Tensor, dict)):
+        return params, set()
+
+    def tensor_of(item: Any) -> Any:
+        return item[1] if isinstance(item, tuple) and len(item) == 2 else item
+
+    listed, devices = [], set()
+    for item in params:
+        if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
+            item = {**item, "params": list(item["params"])}
+        members = item.get("params", []) if isinstance(item, dict) else [item]
+        members = [members] if isinstance(members, torch.Tensor) else members
+        devices.update(t.device for t in map(tensor_of, members) if isinstance(t, torch.Tensor))
+        listed.append(item)
+    return listed, devices
 
 
 @foreign_keywords(
@@ -206,11 +283,17 @@ class FISMO(Optimizer):
         ``lr * sqrt(max(1, m/n))``, as in ``torch.optim.Muon``). On top of
         them come the core's [`TRAINING`][fismo_core.optimizer.TRAINING]
         (scale-invariant statistics, damping ``mu`` 0.1, roots every 10 steps,
-        blocks of 512) and Muon's bfloat16: its iteration (``polar`` dtype
-        ``"bfloat16"``) and, in the same precision, the products of lines 4–6
-        and 8 (``inv_root`` ``matmul_dtype="bfloat16"``; the statistics stay
-        in the parameters' dtype). This is *not* Algorithm 1, which stays
-        ``FISMO(params)``.
+        blocks of 512) and the precision of
+        [`training_precision`][fismo_core.backends.torch.training_precision]:
+        where every parameter's device multiplies bfloat16 natively
+        ([`bfloat16_is_native`][fismo_core.backends.torch.bfloat16_is_native]),
+        Muon's bfloat16 for its iteration (``polar`` dtype ``"bfloat16"``) and
+        for the products of lines 4–6 and 8 (``inv_root``
+        ``matmul_dtype="bfloat16"``; the statistics stay in the parameters'
+        dtype); elsewhere, where bfloat16 is emulated at several times
+        float32's cost, both in the parameters' dtype. Pass ``polar`` or
+        ``inv_root`` to choose yourself. This is *not* Algorithm 1, which
+        stays ``FISMO(params)``.
 
         ``fismo_options`` are any other keyword of ``FISMO`` (``gamma``,
         ``mu``, ``block_size``, ``statistics``, ``inv_root``, ``polar``,
@@ -221,7 +304,8 @@ class FISMO(Optimizer):
         ``"adamw"`` groups included (e.g. [`param_groups`][fismo_core.backends.torch.param_groups]).
         With ``gamma=1`` (``P = Q = I``) it is ``torch.optim.Muon`` at the same
         arguments, up to bfloat16 rounding. Bad input raises before anything
-        is built, naming the argument.
+        is built, naming the argument. ``params`` may be a generator: it is
+        read once, here.
         """
         if "beta" in fismo_options:
             raise TypeError(
@@ -238,13 +322,16 @@ class FISMO(Optimizer):
             )
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum (FISMO's beta) must be a number in [0, 1], got {momentum!r}")
+        params, devices = _listed_with_devices(params)
+        precision = training_precision(bool(devices) and all(map(bfloat16_is_native, devices)))
         muon = {"ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps}
         try:
-            polar = PolarConfig(coefficients=(tuple(ns_coefficients),), steps=ns_steps, eps=eps, dtype="bfloat16")
+            polar = PolarConfig(coefficients=(tuple(ns_coefficients),), steps=ns_steps, eps=eps,
+                                dtype=precision["polar"]["dtype"])
         except (TypeError, ValueError) as exc:
             given = ", ".join(f"{k}={v!r}" for k, v in muon.items())
             raise type(exc)(f"FISMO.training({given}): {exc}") from None
-        preset = training_options(TRAINING, {"polar": dataclasses.asdict(polar), "inv_root": {"matmul_dtype": "bfloat16"}})
+        preset = training_options(TRAINING, {**precision, "polar": dataclasses.asdict(polar)})
         muon_conventions = {"weight_decay": weight_decay, "nesterov": nesterov, "beta": momentum,
                             "adjust_lr_fn": "original" if adjust_lr_fn is None else adjust_lr_fn}
         # The constructor checks the other values before anything is built, naming them.

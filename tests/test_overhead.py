@@ -154,7 +154,7 @@ def test_a_steps_count_is_steady_from_the_second_step_and_does_not_depend_on_the
 # ------------------------------------------- the training step of the text GPT (docs/scripts/overhead.py --training-step)
 def test_the_training_step_compares_the_training_configuration_with_muon_on_the_same_split():
     """Both runs: the same model, the same matrices to the matrix optimizer, the rest to AdamW at its defaults."""
-    from fismo_core.backends.torch import FISMO
+    from fismo_core.backends.torch import FISMO, bfloat16_is_native, training_precision
 
     runs = {name: text_gpt_training(name, dim=32, layers=2) for name in TRAINING_OPTIMIZERS}
     muon, adamw = runs["muon"][2]
@@ -167,7 +167,9 @@ def test_the_training_step_compares_the_training_configuration_with_muon_on_the_
     # The training configuration (issue 20's decisions), and torch.optim.AdamW's defaults on the rest.
     assert (matrices["statistics"], matrices["nesterov"], matrices["weight_decay"]) == ("scale_invariant", True, 0.1)
     assert matrices["mu"] == 0.1 and matrices["inv_root"]["every"] == 10
-    assert matrices["polar"]["dtype"] == matrices["inv_root"]["matmul_dtype"] == "bfloat16"
+    precision = training_precision(bfloat16_is_native("cpu"))  # FISMO.training's own choice on this CPU
+    assert (matrices["polar"]["dtype"], matrices["inv_root"]["matmul_dtype"]) == (
+        precision["polar"]["dtype"], precision["inv_root"]["matmul_dtype"])
     # The float32 twins: the same configuration with its polar and products in float32, and that at gamma = 1 (Muon).
     (twin,) = runs["fismo-t-fp32"][2]
     (muon_twin,) = runs["muon-fp32"][2]
@@ -212,3 +214,22 @@ def test_the_finiteness_check_passes_over_the_tensor_twice():
     with WholeTensorOps(X.numel()) as old:
         torch.isfinite(X).all()
     assert new.count == 2 and old.count > new.count  # 5 in torch 2.13
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bfloat16-native", "bfloat16-emulated"])
+def test_the_model_benchmarks_time_the_precisions_the_torch_adapter_picks(native: bool) -> None:
+    """asv's ``training-B{B}`` (bfloat16 polar and products) and ``training-B{B}-fp32`` (both in the
+    parameters' dtype) are ``FISMO.training``'s precision where bfloat16 is native and where it is
+    not (``training_precision``): if the adapter's rule changes, this fails rather than the
+    benchmarks timing a configuration no one runs."""
+    from benchmarks.common import TRAINING_BLOCK_SIZES, VARIANTS
+
+    from fismo_core import FISMO as CoreFISMO
+    from fismo_core.backends.torch import training_precision
+
+    precision = training_precision(native)
+    for B in TRAINING_BLOCK_SIZES:
+        core = CoreFISMO(**VARIANTS[f"training-B{B}" if native else f"training-B{B}-fp32"])
+        assert core.polar.dtype == precision["polar"]["dtype"]
+        assert core.inv_root.matmul_dtype == precision["inv_root"]["matmul_dtype"]
+        assert core.block_size == B and core.inv_root.every == 10 and core.statistics == "scale_invariant"

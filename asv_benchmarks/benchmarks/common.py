@@ -99,9 +99,11 @@ MODEL_ANCHORS = ANCHORS + ["scalable-shampoo", "heavyball-soap", "heavyball-klsh
 CYCLE = {"eigh-every10": 10, "soap": 10, "heavyball-soap": 2, "heavyball-klshampoo": 2}
 
 #: The training configuration ("FISMO-T": ``FISMO.training()``, roots every 10 steps) as the torch
-#: optimizer runs it, in ``torch.optim.Muon``'s bfloat16 (the polar factor and the preconditioners'
-#: products, ``inv_root={"matmul_dtype": "bfloat16"}``), blocked: "training-B768". "-fp32mm" keeps the
-#: products in the parameters' dtype (the configuration's default before 2026-11-27). Its default
+#: optimizer runs it where bfloat16 is native, in ``torch.optim.Muon``'s bfloat16 (the polar factor and
+#: the preconditioners' products, ``inv_root={"matmul_dtype": "bfloat16"}``), blocked: "training-B768";
+#: "-fp32", as it runs where bfloat16 is emulated (both in the parameters' dtype). Both are
+#: ``fismo_core.backends.torch.training_precision``'s, which tests/test_overhead.py checks.
+#: "-fp32mm" keeps the products in the parameters' dtype (the configuration before 2026-11-27). Its default
 #: ``nonfinite="raise"`` is kept (the finiteness check and the roots' checks, with their host reads).
 #: One call is a cycle of 10 steps.
 TRAINING_BLOCK_SIZES = [512, 768, 1024]
@@ -110,8 +112,6 @@ for _B in TRAINING_BLOCK_SIZES:
         TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B, "inv_root": {"matmul_dtype": "bfloat16"}}
     )
     VARIANTS[f"training-B{_B}-fp32mm"] = training_options(TRAINING, {"polar": {"dtype": "bfloat16"}, "block_size": _B})
-    # "-fp32": the polar and the products in the parameters' dtype, for CPUs without bfloat16 instructions
-    # (where bfloat16, torch.optim.Muon's too, is emulated) and for the float32 comparison.
     VARIANTS[f"training-B{_B}-fp32"] = training_options(TRAINING, {"block_size": _B})
     CYCLE[f"training-B{_B}"] = CYCLE[f"training-B{_B}-fp32mm"] = CYCLE[f"training-B{_B}-fp32"] = TRAINING["inv_root"]["every"]
 

@@ -11,6 +11,7 @@ common.py``), so the page and the suite time the same code.
     python docs/scripts/performance.py --only models --model gpt2-2layers --repeats 3   # real model shapes
     python docs/scripts/performance.py --only models --names eigh-B768 muon-float32     # some rows only
     python docs/scripts/performance.py --only threads     # eigh and matmul with 1 and 2 threads
+    python docs/scripts/performance.py --only bf16 --threads 1   # a bfloat16 product against float32, here
 
 The "models" section times one step over all the weight matrices of a real model (two GPT-2-small
 layers; a LLaMA-like 2048 x 5504 matrix) for FISMO full and blocked and every anchor. Each run
@@ -71,15 +72,15 @@ for _B in (256, 512, 768, 1024):
     LABELS[f"newton_schulz-B{_B}"] = f"FISMO blocked, B = {_B}, Newton–Schulz roots"
 LABELS.update({
     "eigh-bf16": "FISMO exact, bf16 polar",
-    "training-B512": "FISMO-T (training configuration), B = 512, bf16 polar and products",
-    "training-B768": "FISMO-T (training configuration), B = 768, bf16 polar and products",
-    "training-B1024": "FISMO-T (training configuration), B = 1024, bf16 polar and products",
+    "training-B512": "FISMO-T (training configuration), B = 512, bf16 polar and products (where bfloat16 is native)",
+    "training-B768": "FISMO-T (training configuration), B = 768, bf16 polar and products (where bfloat16 is native)",
+    "training-B1024": "FISMO-T (training configuration), B = 1024, bf16 polar and products (where bfloat16 is native)",
     "training-B512-fp32mm": "FISMO-T, B = 512, bf16 polar, float32 products",
     "training-B768-fp32mm": "FISMO-T, B = 768, bf16 polar, float32 products",
     "training-B1024-fp32mm": "FISMO-T, B = 1024, bf16 polar, float32 products",
-    "training-B512-fp32": "FISMO-T, B = 512, float32 polar and products",
-    "training-B768-fp32": "FISMO-T, B = 768, float32 polar and products",
-    "training-B1024-fp32": "FISMO-T, B = 1024, float32 polar and products",
+    "training-B512-fp32": "FISMO-T, B = 512, float32 polar and products (its precision where bfloat16 is emulated)",
+    "training-B768-fp32": "FISMO-T, B = 768, float32 polar and products (its precision where bfloat16 is emulated)",
+    "training-B1024-fp32": "FISMO-T, B = 1024, float32 polar and products (its precision where bfloat16 is emulated)",
     "scalable-shampoo": "ScalableShampoo (pytorch-optimizer, blocks of 512)",
     "heavyball-soap": "SOAP (heavyball)",
     "heavyball-klshampoo": "KL-Shampoo (heavyball)",
@@ -475,6 +476,43 @@ def section_threads(repeats: int) -> None:
     print()
 
 
+def section_bfloat16(repeats: int, sides: tuple = (64, 256, 768)) -> None:
+    """A square product in bfloat16 (operands cast from float32, result cast back, as the training
+    configuration's products are) against the float32 product, under this process's kernels (run it
+    under ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` to stand in for other CPUs), also with
+    oneDNN switched off (torch's own bfloat16 kernel: torch routes bfloat16 products to oneDNN only
+    on CPUs with AVX-512, so an AVX2-only CPU runs that one), and what
+    ``bfloat16_is_native`` says here: the rule ``FISMO.training`` picks its precision by."""
+    import torch
+
+    from fismo_core.backends.torch import bfloat16_is_native
+
+    fns, gen = {}, torch.Generator().manual_seed(0)
+    for n in sides:
+        a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+        fns[f"{n} float32"] = lambda a=a, b=b: a @ b
+        fns[f"{n} bfloat16"] = lambda a=a, b=b: (a.bfloat16() @ b.bfloat16()).float()
+
+        def without_onednn(a=a, b=b):  # torch's own bfloat16 kernel, what an AVX2-only CPU gets
+            torch.backends.mkldnn.enabled = False  # (its flags() context also sets TF32 and warns)
+            try:
+                (a.bfloat16() @ b.bfloat16()).float()
+            finally:
+                torch.backends.mkldnn.enabled = True
+        fns[f"{n} bfloat16, oneDNN off"] = without_onednn
+    times = interleaved_medians(fns, 3 * repeats)
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "not set")
+    print(f"### A bfloat16 product against a float32 one (ms, median; torch kernels "
+          f"{torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA {limit}; "
+          f"bfloat16_is_native('cpu'): {bfloat16_is_native('cpu')})\n")
+    print("| side | float32 | bfloat16 (with casts) | bfloat16 / float32 | oneDNN off: bfloat16 / float32 |")
+    print("|---|---|---|---|---|")
+    for n in sides:
+        f32, bf16, own = times[f"{n} float32"], times[f"{n} bfloat16"], times[f"{n} bfloat16, oneDNN off"]
+        print(f"| {n} | {f32 * 1e3:.3f} | {bf16 * 1e3:.3f} | {bf16 / f32:.2f} | {own / f32:.2f} |")
+    print()
+
+
 #: The training configuration's approximations whose effect on the direction the "deviation" section
 #: measures, as overrides of ``FISMO.training`` (float32 on torch, as the torch optimizer runs it).
 TRAINING_DEVIATIONS = {
@@ -532,7 +570,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot", "models", "threads",
-                                           "deviation"])
+                                           "deviation", "bf16"])
     parser.add_argument("--steps", type=int, default=100, help="deviation section: steps of the gradient stream")
     parser.add_argument("--block", type=int, nargs="+", default=[192, 128],
                         help="deviation section: block sizes (192 and 128 stand for GPT-2's 768 and 512)")
@@ -567,6 +605,7 @@ def main() -> None:
         "plot": lambda: section_plot(args.repeats),
         "threads": lambda: section_threads(args.repeats),
         "deviation": lambda: [section_training_deviation(args.steps, B) for B in args.block],
+        "bf16": lambda: section_bfloat16(args.repeats),
         "models": lambda: (section_model_memory(), print_model_tables(args.device), plot_models(args.device))
         if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device, args.without_torch_muon)),
     }
