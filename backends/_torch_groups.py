@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.optim.adamw import adamw as _adamw
 
 from fismo_core.guards import MUON_KEYWORDS, MUON_POLAR_KEYWORDS, foreign_keyword_error
@@ -91,7 +92,7 @@ def core_key(group: dict) -> tuple:
         # A config object, a method name or a partial dict set after construction: completed here,
         # so that a state_dict records every field (a checkpoint then resumes with the same schedule).
         validate_fismo_hparams(group, "a param group")
-    return (
+    key = (
         group["beta"],
         group["gamma"],
         group["mu"],
@@ -104,6 +105,22 @@ def core_key(group: dict) -> tuple:
         group.get("nonfinite", CORE_DEFAULTS.nonfinite),  # likewise
         group.get("block_size", CORE_DEFAULTS.block_size),  # likewise (None: full factors)
     )
+    return _specialised(key) if torch.compiler.is_compiling() else key
+
+
+def _specialised(value: Any) -> Any:
+    """``value`` (a core key) with every number concrete, one graph per value as in eager mode.
+
+    Once two compiled optimizers have read different floats at the same place (a sweep over
+    ``mu``), dynamo traces that float symbolically ("automatic dynamic"); a core built from it
+    would carry the symbol into its checks (a graph break) and its ``torch.cond`` branches (an
+    error). ``guard_scalar`` makes it concrete and guards on its value instead.
+    """
+    if isinstance(value, tuple):
+        return tuple(_specialised(v) for v in value)
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    return guard_scalar(value)
 
 
 def make_core(key: tuple) -> _CoreFISMO:

@@ -213,6 +213,23 @@ def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("make", [
+    lambda m, v: FISMO(m.parameters(), lr=0.02, mu=v, beta=0.9 + v, gamma=0.9 + v, nonfinite="propagate"),
+    lambda m, v: FISMO.training(m.parameters(), lr=0.02, mu=v, momentum=0.9 + v, nonfinite="propagate"),
+], ids=["printed", "training"])
+def test_a_sweep_over_hyperparameters_compiles_each_optimizer_in_one_graph(make):
+    """Several optimizers with different ``mu``, ``beta`` and ``gamma`` compiled in one process (a sweep):
+    from the second, dynamo traces those floats symbolically (automatic dynamic); the core is built from
+    their concrete values, so each optimizer still traces without a break, compiles twice and equals its
+    eager twin bit for bit."""
+    for value in (1e-3, 0.1):
+        model, twin, frames = _compiled_and_eager(_matrices_only(), lambda m: make(m, value), steps=3)
+        assert not counters["graph_break"], (value, dict(counters["graph_break"]))
+        assert frames[1] == frames[0] + 1 and frames[-1] == frames[1], (value, frames)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b), value
+
+
 def test_roots_every_k_with_step_counts_that_differ_within_a_bucket():
     """Two same-shape matrices (one batched bucket) whose step counts drift apart (one has no gradient at
     one step), roots every 3: at later steps one is due and the other not. The traced choice per matrix
