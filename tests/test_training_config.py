@@ -594,3 +594,24 @@ def test_core_training_docstring_example_runs() -> None:
         runner.run(test, out=report.append, clear_globs=True)
     result = runner.summarize(verbose=False)
     assert result.attempted > 0 and result.failed == 0, "".join(report)
+
+
+def test_the_bfloat16_timing_section_says_what_the_rule_says(capsys) -> None:
+    """``docs/scripts/performance.py --only bf16`` (the table behind the rule on the page
+    "Performance") prints the rule's answer for this process and a row per side."""
+    torch = _torch()
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "scripts"))
+    import performance
+
+    from fismo_core.backends.torch import bfloat16_is_native
+
+    performance.section_bfloat16(repeats=1, sides=(8, 16))
+    out = capsys.readouterr().out
+    assert f"bfloat16_is_native('cpu'): {bfloat16_is_native('cpu')}" in out
+    assert f"torch kernels {torch.backends.cpu.get_cpu_capability()}" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| 8 |", "| 16 |"))]
+    assert len(rows) == 2 and all(len(row.split("|")) == 7 for row in rows), rows
+    assert torch.backends.mkldnn.enabled  # restored after the oneDNN-off timings
