@@ -615,3 +615,26 @@ def test_the_bfloat16_timing_section_says_what_the_rule_says(capsys) -> None:
     rows = [line for line in out.splitlines() if line.startswith(("| 8 |", "| 16 |"))]
     assert len(rows) == 2 and all(len(row.split("|")) == 7 for row in rows), rows
     assert torch.backends.mkldnn.enabled  # restored after the oneDNN-off timings
+
+
+def test_a_checkpoint_keeps_the_precision_it_was_saved_with(monkeypatch) -> None:
+    """The precision is chosen when the optimizer is built and lives in its param groups, so
+    ``load_state_dict`` restores the saved one (as every saved hyperparameter): a checkpoint from a
+    bfloat16 machine resumes in bfloat16 on one without, until the group is changed."""
+    torch = _torch()
+    from fismo_core.backends import torch as adapter
+
+    W = torch.nn.Parameter(torch.randn(6, 4))
+    W.grad = torch.randn(6, 4)
+    monkeypatch.setattr(adapter, "bfloat16_is_native", lambda device: True)
+    saved = adapter.FISMO.training([W])
+    saved.step()
+    monkeypatch.setattr(adapter, "bfloat16_is_native", lambda device: False)
+    resumed = adapter.FISMO.training([W])
+    assert resumed.param_groups[0]["inv_root"]["matmul_dtype"] is None
+    resumed.load_state_dict(saved.state_dict())
+    group = resumed.param_groups[0]
+    assert group["polar"]["dtype"] == group["inv_root"]["matmul_dtype"] == "bfloat16"
+    group["polar"]["dtype"] = group["inv_root"]["matmul_dtype"] = None  # the user's switch after loading
+    resumed.step()
+    assert resumed._core_for(group).inv_root.matmul_dtype is None and resumed._core_for(group).polar.dtype is None
