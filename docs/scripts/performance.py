@@ -89,7 +89,6 @@ LABELS.update({
 })
 PLOT = ROOT / "docs" / "performance" / "step_time.png"
 MODEL_JSON = ROOT / "docs" / "performance" / "model_steps.json"
-MODEL_PLOT = ROOT / "docs" / "performance" / "model_step_time.png"
 #: The model sets of the page (the asv suite also has llama-4096x11008).
 PAGE_MODELS = ["gpt2-2layers", "llama-2048x5504"]
 
@@ -301,11 +300,13 @@ def model_callable(name: str, model: str, device: str, shapes=None):
     return anchor_step(name, list(shapes), device)
 
 
-def load_model_results() -> dict:
-    return json.loads(MODEL_JSON.read_text()) if MODEL_JSON.exists() else {}
+def load_model_results(store: Path = MODEL_JSON) -> dict:
+    """The stored rows of the models section (``--json``: another file, e.g. for another CPU)."""
+    return json.loads(store.read_text()) if store.exists() else {}
 
 
-def section_models(repeats: int, models: list, names: list, device: str, without_torch_muon: bool = False) -> None:
+def section_models(repeats: int, models: list, names: list, device: str, without_torch_muon: bool = False,
+                   store: Path = MODEL_JSON) -> None:
     """Time ``names`` (always with the float32 Muon step and torch.optim.Muon) on each model set
     and store the medians, then print the tables from the stored results.
 
@@ -317,7 +318,7 @@ def section_models(repeats: int, models: list, names: list, device: str, without
     its bfloat16 iteration is emulated, many times slower than float32)."""
     import torch
 
-    results = load_model_results()
+    results = load_model_results(store)
     for model in models:
         wanted = list(dict.fromkeys(["muon-float32", *([] if without_torch_muon else ["muon"]), *names]))
         groups: dict[tuple, list] = {}
@@ -346,7 +347,7 @@ def section_models(repeats: int, models: list, names: list, device: str, without
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
         }
-        results = load_model_results()  # again: another run may have stored rows meanwhile
+        results = load_model_results(store)  # again: another run may have stored rows meanwhile
         stored = results.setdefault(key, {})
         for name, t in times.items():
             stored[name] = {
@@ -357,15 +358,15 @@ def section_models(repeats: int, models: list, names: list, device: str, without
                              for shape, v in by_shape.items()},
                 **run,
             }
-        MODEL_JSON.parent.mkdir(parents=True, exist_ok=True)
-        MODEL_JSON.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        store.parent.mkdir(parents=True, exist_ok=True)
+        store.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         print(f"<!-- {model} on {device}: {len(times)} rows in {time.time() - started:.0f} s -->")
-    print_model_tables(device)
-    plot_models(device)
+    print_model_tables(device, store)
+    plot_models(device, store)
 
 
-def print_model_tables(device: str) -> None:
-    results = load_model_results()
+def print_model_tables(device: str, store: Path = MODEL_JSON) -> None:
+    results = load_model_results(store)
     print("### One step over the weight matrices of real models (torch float32; ms per step, median)\n")
     for model in PAGE_MODELS:
         stored = results.get(f"{model}/{device}")
@@ -411,13 +412,13 @@ def section_model_memory() -> None:
     print()
 
 
-def plot_models(device: str) -> None:
+def plot_models(device: str, store: Path = MODEL_JSON) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = load_model_results()
+    results = load_model_results(store)
     models = [m for m in PAGE_MODELS if results.get(f"{m}/{device}")]
     if not models:
         return
@@ -439,7 +440,7 @@ def plot_models(device: str) -> None:
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     suffix = "" if device == "cpu" else f"_{device}"
-    out = MODEL_PLOT.with_name(f"model_step_time{suffix}.png")
+    out = store.with_name(f"model_step_time{suffix}.png")
     fig.savefig(out, dpi=110)
     print(f"<!-- plot written to {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} -->\n")  # --json may point elsewhere
 
@@ -590,12 +591,10 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.json is not None:
-        global MODEL_JSON, MODEL_PLOT
-        MODEL_JSON, MODEL_PLOT = args.json, args.json.with_name("model_step_time.png")
 
     print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()} -->\n")
+    store = MODEL_JSON if args.json is None else args.json
     sections = {
         "memory": lambda: (section_memory(), section_flop_lines()),
         "functions": lambda: section_matrix_functions(args.repeats),
@@ -606,8 +605,9 @@ def main() -> None:
         "threads": lambda: section_threads(args.repeats),
         "deviation": lambda: [section_training_deviation(args.steps, B) for B in args.block],
         "bf16": lambda: section_bfloat16(args.repeats),
-        "models": lambda: (section_model_memory(), print_model_tables(args.device), plot_models(args.device))
-        if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device, args.without_torch_muon)),
+        "models": lambda: (section_model_memory(), print_model_tables(args.device, store), plot_models(args.device, store))
+        if args.tables else (section_model_memory(), section_models(args.repeats, args.model, args.names, args.device,
+                                                                    args.without_torch_muon, store)),
     }
     for name, run in sections.items():
         if args.only == name or (args.only is None and name != "models"):
