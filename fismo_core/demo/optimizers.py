@@ -16,7 +16,8 @@
   ``FISMO.training(groups, lr=lr)`` (the training configuration: scale-invariant
   statistics, Nesterov, weight decay 0.1, damping 0.1, roots every 10 steps,
   Muon's learning-rate adjustment, Newton–Schulz and the preconditioners'
-  products in bfloat16) against
+  products in bfloat16 where the CPU has bfloat16 instructions, float32
+  elsewhere) against
   ``torch.optim.Muon(matrices, lr=lr)``, both at ``torch.optim.Muon``'s
   defaults for everything but the learning rate, with the same AdamW on the
   rest as above.
