@@ -495,11 +495,12 @@ def section_bfloat16(repeats: int, sides: tuple = (64, 256, 768)) -> None:
         fns[f"{n} bfloat16"] = lambda a=a, b=b: (a.bfloat16() @ b.bfloat16()).float()
 
         def without_onednn(a=a, b=b):  # torch's own bfloat16 kernel, what an AVX2-only CPU gets
-            torch.backends.mkldnn.enabled = False  # (its flags() context also sets TF32 and warns)
+            before = torch.backends.mkldnn.enabled  # (its flags() context also sets TF32 and warns)
+            torch.backends.mkldnn.enabled = False
             try:
                 (a.bfloat16() @ b.bfloat16()).float()
             finally:
-                torch.backends.mkldnn.enabled = True
+                torch.backends.mkldnn.enabled = before
         fns[f"{n} bfloat16, oneDNN off"] = without_onednn
     times = interleaved_medians(fns, 3 * repeats)
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "not set")
