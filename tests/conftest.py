@@ -13,28 +13,23 @@ from __future__ import annotations
 
 import pytest
 
-from fismo_core.testing import Target, targets
+pytest.register_assert_rewrite("fismo_core.pytest_plugin")  # imported below, before pytest loads it as a plugin
+
+from fismo_core.pytest_plugin import target_params  # noqa: E402
+from fismo_core.testing import Target, targets  # noqa: E402
 
 pytest_plugins = ["fismo_core.pytest_plugin", "pytester"]  # pytester: tests/test_harness.py runs the plugin
 
 ALL_TARGETS = targets()
 
 
-def _params(selected: list[Target]) -> list:
-    # As fismo_core.pytest_plugin.target_params (not imported here: pytest must import the plugin first).
-    return [
-        pytest.param(t, id=t.id, marks=[pytest.mark.skip(reason=t.reason)] if not t.available else [])
-        for t in selected
-    ]
-
-
-@pytest.fixture(params=_params(ALL_TARGETS))
+@pytest.fixture(params=target_params(ALL_TARGETS))
 def target(request: pytest.FixtureRequest) -> Target:
     """Every (backend, device, dtype); skipped with the reason where unavailable."""
     return request.param
 
 
-@pytest.fixture(params=_params([t for t in ALL_TARGETS if t.dtype == "float64"]))
+@pytest.fixture(params=target_params([t for t in ALL_TARGETS if t.dtype == "float64"]))
 def target64(request: pytest.FixtureRequest) -> Target:
     """Every float64 (backend, device): for checks at float64 precision."""
     return request.param
