@@ -81,6 +81,10 @@ _ADAMW_KEYWORD = (
 )
 
 
+#: The environment variables that limit oneDNN's CPU ISA: today's name, then the older one oneDNN still
+#: reads when the first is not set.
+ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
 #: oneDNN's CPU ISA limits (``ONEDNN_MAX_CPU_ISA``) below the first with bfloat16 dot products
 #: (``AVX512_CORE_BF16``): under them oneDNN emulates bfloat16 matrix products.
 _ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
@@ -110,7 +114,7 @@ def bfloat16_is_native(device: Union[torch.device, str]) -> bool:
         return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type != "cpu":
         return False
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    limit = next((os.environ[v] for v in ONEDNN_ISA_VARIABLES if os.environ.get(v)), "").upper()
     if limit in _ONEDNN_ISAS_WITHOUT_BF16 or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):

@@ -629,6 +629,17 @@ def test_digest_key_names_the_kernels_that_made_the_numbers() -> None:
         assert part in key
 
 
+@pytest.mark.parametrize("variable", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_digest_key_names_a_onednn_limit_by_either_name(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN reads its ISA limit under today's name and the older one; either changes FISMO-T's precision."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "AVX2")
+    key = digest_key()
+    assert f"forced by {variable}=AVX2" in key or f" {variable}=AVX2" in key, key
+    assert "bfloat16 emulated" in key, key  # no bfloat16 dot products below AVX512_CORE_BF16
+
+
 def test_no_matplotlib_no_figures_claimed(tiny_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without matplotlib the demo writes no PNG, says so in the report, and its last line claims none."""
     _, _, _, results = tiny_run

@@ -586,7 +586,7 @@ def digest_key() -> str:
     standard library's source; the digits come from scikit-learn) and
     torch's CPU kernels: torch picks them by CPU at run time (its CPU
     capability, e.g. AVX2 or AVX512; ``ATEN_CPU_CAPABILITY`` and
-    ``ONEDNN_MAX_CPU_ISA`` force others), and kernels of another
+    ``ONEDNN_MAX_CPU_ISA`` or its older name ``DNNL_MAX_CPU_ISA`` force others), and kernels of another
     instruction set round differently; and whether bfloat16 is native
     (``bfloat16_is_native``), which decides FISMO-T's precision. The demo does no NumPy linear
     algebra, so OpenBLAS's kernels are not part of the key. Two runs with
@@ -602,12 +602,12 @@ def digest_key() -> str:
         sklearn = metadata.version("scikit-learn")
     except metadata.PackageNotFoundError:
         sklearn = "not installed"
-    from ..backends.torch import bfloat16_is_native
+    from ..backends.torch import ONEDNN_ISA_VARIABLES, bfloat16_is_native
 
     # FISMO-T computes in bfloat16 only where it is native (FISMO.training's rule).
     bfloat16 = "native" if bfloat16_is_native("cpu") else "emulated"
     kernels = f"{torch.backends.cpu.get_cpu_capability()} kernels, bfloat16 {bfloat16}"
-    forced = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(v)]
+    forced = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", *ONEDNN_ISA_VARIABLES) if os.environ.get(v)]
     if forced:
         kernels += f", forced by {' '.join(forced)}"
     return (f"fismo {__version__}, Python {platform.python_version()}, torch {torch.__version__} "
