@@ -291,6 +291,16 @@ def drop_fismo_keys(group: dict) -> None:
 
 
 # ---------------------------------------------------------------- the AdamW route
+def init_adamw_state(s: dict, p: torch.Tensor, group: dict) -> None:
+    """Fill the empty state ``s`` of parameter ``p`` of an ``"adamw"`` group as ``torch.optim.AdamW``
+    (``capturable=False``, ``fused=False``) does."""
+    s["step"] = torch.tensor(0.0, dtype=scalar_dtype())
+    s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group["amsgrad"]:
+        s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def adamw_group_step(state: dict, group: dict, skip: Union[set, frozenset] = frozenset()) -> None:
     """One ``torch.optim.AdamW`` step (``capturable=False``, ``fused=False``) of an ``"adamw"`` group.
 
@@ -304,12 +314,8 @@ def adamw_group_step(state: dict, group: dict, skip: Union[set, frozenset] = fro
             continue
         has_complex |= torch.is_complex(p)
         s = state[p]
-        if not s:  # as torch.optim.AdamW (capturable=False, fused=False)
-            s["step"] = torch.tensor(0.0, dtype=scalar_dtype())
-            s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not s:
+            init_adamw_state(s, p, group)
         params.append(p)
         grads.append(p.grad)
         exp_avgs.append(s["exp_avg"])

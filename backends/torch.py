@@ -50,6 +50,7 @@ from ._torch_groups import (
     adjusted_lr,
     core_key,
     drop_fismo_keys,
+    init_adamw_state,
     make_core,
     param_groups,
     param_name,
@@ -411,6 +412,8 @@ class FISMO(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():
+            self._init_group()
         checks = check_grads(self.param_groups)
         placements = self._placements()
         # Lines 4-8 of every FISMO group, nothing written yet: gather, and compute on the owners.
@@ -429,6 +432,29 @@ class FISMO(Optimizer):
             else:
                 self._fismo_apply(plans[id(group)])
         return loss
+
+    def _init_group(self) -> None:
+        """Create the missing states of the local parameters that have a gradient, in every group.
+
+        Called only while ``torch.compile`` traces `step`: dynamo runs an optimizer's
+        ``_init_group`` eagerly, at trace time, as for ``torch.optim``'s own optimizers. The
+        traced step then starts from existing states (one graph for the first and the later
+        steps, not two), and dynamo marks every state tensor a static address, so that CUDA
+        graphs (``mode="reduce-overhead"``) may update them in place. One call for all groups:
+        dynamo's view of ``self.state`` is taken once, after every state exists. States of
+        distributed matrices (DDP, FSDP2) are still created in the step, on their owners.
+        """
+        placements = self._placements()
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                for p in group["params"]:
+                    if p.grad is not None and not self.state[p]:
+                        init_adamw_state(self.state[p], p, group)
+                continue
+            core = self._core_for(group)
+            for p in group["params"]:
+                if p.grad is not None and not self.state.get(p) and not placements[p].distributed:
+                    self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
 
     # ------------------------------------------------------------------ FISMO
     def _core_for(self, group: dict) -> _CoreFISMO:

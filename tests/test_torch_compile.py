@@ -112,17 +112,17 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_fullgraph_one_graph_and_the_eager_numbers(config):
-    """``torch.compile(opt.step, fullgraph=True)`` traces without a break, compiles twice (the first step creates
-    the state; the second is the steady state) and never again, and equals the eager step bit for bit."""
+    """``torch.compile(opt.step, fullgraph=True)`` traces without a break and compiles once: dynamo runs
+    ``FISMO._init_group`` eagerly while it traces the first call, so the first step's graph already starts
+    from existing states and is the steady step's. It equals the eager step bit for bit."""
     options = {"lr": 0.02, **CONFIGS[config]}
     model, twin, frames = _compiled_and_eager(
         _matrices_only(), lambda m: FISMO(m.parameters(), nonfinite="propagate", **copy.deepcopy(options))
     )
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # One graph for the first call (with a tensor lr dynamo restarts that first analysis once, which its
-    # counter counts twice), one for the steady state, then none.
-    assert frames[0] == (2 if config == "tensor lr" else 1), frames
-    assert frames[1] == frames[0] + 1 and frames[-1] == frames[1], frames
+    # One graph for every call (with a tensor lr dynamo restarts its first analysis once, which its
+    # counter counts twice).
+    assert frames == [2 if config == "tensor lr" else 1] * len(frames), frames
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
 
@@ -145,7 +145,28 @@ def test_fullgraph_with_adamw_groups():
         _mlp(), lambda m: FISMO(param_groups(m), lr=0.02, nonfinite="propagate")
     )
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert frames[0] == 1 and frames[-1] == 2, frames
+    assert frames == [1] * len(frames), frames
+    _assert_eager_numbers(model, twin)
+
+
+def test_the_compiled_step_creates_the_states_at_trace_time_as_static_addresses():
+    """The first compiled call finds the states already there (dynamo runs ``FISMO._init_group`` eagerly while it
+    traces), so they are never graph outputs, and dynamo marks every state tensor, FISMO's and AdamW's, a static
+    address: what CUDA graphs need to update them in place (``mode="reduce-overhead"``). Eagerly nothing of this
+    happens: ``_init_group`` runs only under ``torch.compile``."""
+    from torch._dynamo.utils import get_static_address_type
+
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    opt, eager_opt = (FISMO(param_groups(m), lr=0.02, nonfinite="propagate") for m in (model, twin))
+    compiled = torch.compile(opt.step, backend=CompileCounterWithBackend("aot_eager"), fullgraph=True)
+    _run(model, opt, _batches(model, 1), compiled)
+    _run(twin, eager_opt, _batches(twin, 1), eager_opt.step)
+    states = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+    assert len(opt.state) == len(list(model.parameters())) and len(states) > 2 * len(opt.state)
+    assert {get_static_address_type(t) for t in states} == {"guarded"}
+    eager_states = [t for state in eager_opt.state.values() for t in state.values() if torch.is_tensor(t)]
+    assert {get_static_address_type(t) for t in eager_states} == {None}
     _assert_eager_numbers(model, twin)
 
 
@@ -157,8 +178,9 @@ def test_a_scheduler_changing_a_tensor_lr_does_not_recompile():
     batches = _batches(model, 8)
 
     def build(m):
-        opt = FISMO(param_groups(m), lr=torch.tensor(0.05, dtype=torch.float64), nonfinite="propagate",
-                    weight_decay=0.1)
+        # Tensor learning rates for both algorithms: a float lr that the scheduler changes recompiles once.
+        groups = param_groups(m, adamw_options={"lr": torch.tensor(1e-3, dtype=torch.float64)})
+        opt = FISMO(groups, lr=torch.tensor(0.05, dtype=torch.float64), nonfinite="propagate", weight_decay=0.1)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
     opt, sched = build(model)
@@ -177,14 +199,14 @@ def test_a_scheduler_changing_a_tensor_lr_does_not_recompile():
     frames = []
     _run(model, opt, batches, step, after=lambda i: frames.append(backend.frame_count))
     _run(twin, eager_opt, batches, eager_step)
-    assert frames[2:] == [frames[2]] * (len(frames) - 2), frames  # nothing compiles after the second step
+    assert frames[1:] == [frames[0]] * (len(frames) - 1), frames  # nothing compiles after the first step
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.05 / 9)
     _assert_eager_numbers(model, twin)
 
 
 def test_a_cnn_with_batchnorm_blocks_and_skipped_steps_does_not_recompile():
     """Conv weights (flattened), BatchNorm on AdamW, blocks, and iterations that skip ``opt.step`` (gradient
-    accumulation): two compiled frames, then none."""
+    accumulation): one compiled frame."""
     model = _cnn()
     opt = FISMO(param_groups(model), lr=0.02, nonfinite="propagate", block_size=16)
     backend = CompileCounterWithBackend("aot_eager")
@@ -197,7 +219,7 @@ def test_a_cnn_with_batchnorm_blocks_and_skipped_steps_does_not_recompile():
             opt.zero_grad()
             frames.append(backend.frame_count)
     assert not counters["graph_break"]
-    assert frames[1:] == [2] * (len(frames) - 1), frames
+    assert frames == [1] * len(frames), frames
 
 
 def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
@@ -208,7 +230,7 @@ def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
         _matrices_only(), lambda m: FISMO.training(m.parameters(), lr=0.02, nonfinite="propagate"), steps=12
     )
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert frames[0] == 1 and frames[-1] == 2, frames
+    assert frames == [1] * len(frames), frames
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
 
@@ -220,12 +242,12 @@ def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
 def test_a_sweep_over_hyperparameters_compiles_each_optimizer_in_one_graph(make):
     """Several optimizers with different ``mu``, ``beta`` and ``gamma`` compiled in one process (a sweep):
     from the second, dynamo traces those floats symbolically (automatic dynamic); the core is built from
-    their concrete values, so each optimizer still traces without a break, compiles twice and equals its
+    their concrete values, so each optimizer still traces without a break, compiles once and equals its
     eager twin bit for bit. (The first needs one compiled step only: it records its floats' values.)"""
     for value, steps in ((1e-3, 1), (0.1, 3)):
         model, twin, frames = _compiled_and_eager(_matrices_only(), lambda m: make(m, value), steps=steps)
         assert not counters["graph_break"], (value, dict(counters["graph_break"]))
-        assert frames[1:] == [frames[0] + 1] * (steps - 1), (value, frames)
+        assert frames == [frames[0]] * steps, (value, frames)
         for a, b in zip(model.parameters(), twin.parameters()):
             assert torch.equal(a, b), value
 
@@ -256,7 +278,7 @@ def test_roots_every_k_with_step_counts_that_differ_within_a_bucket():
     assert [int(opt.state[p]["step"]) for p in compiled] == [9, 8]  # steps 3 and 6 of matrix 0 are
     # refreshes, and matrix 1 is due at its own steps 3 and 6 (the loop's 4 and 7): mixed buckets
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert frames == 3, frames  # the first step, the steady one, the step without params[1]'s gradient
+    assert frames == 2, frames  # the steady step, and the step without params[1]'s gradient
     for a, b in zip(compiled, eager):
         assert torch.equal(a, b)
 

@@ -19,7 +19,7 @@ The stages run in order, each timed; a stage that fails does not stop the next o
    of ``fismo_core.backends.torch.FISMO(nonfinite="propagate")`` on CUDA, float32 and bfloat16
    parameters, on the demo's byte-level GPT (8 matrices, 64 to 256) and, without ``--quick``, on
    GPT-2 small's 48 matrices and with Newton–Schulz roots too. Reported: graphs and graph breaks
-   (dynamo's counters), graphs compiled after the second step (recompiles), CUDA-graph skips,
+   (dynamo's counters), graphs compiled after the first step (recompiles), CUDA-graph skips,
    host reads and aten ops of an eager step (a ``TorchDispatchMode``), the compiled parameters
    against the eager ones after the same steps, and median step times, eager and compiled,
    against ``torch.optim.Muon``'s (eager and compiled), interleaved in one run.
@@ -63,9 +63,9 @@ GPU_TEST_SELECTION = "cuda or cupy"
 #: Medians of stage 3 are over this many interleaved calls (``--quick``: the second number).
 STEP_REPEATS, QUICK_STEP_REPEATS = 30, 10
 #: Steps the compiled and the eager optimizer take before their parameters are compared: the
-#: first step creates the state (graph 1), the second compiles the steady step (graph 2); CUDA
-#: graph trees warm up on a graph's first call, record on its second and replay from its third,
-#: so five steps include two replays.
+#: first step compiles the one graph (the adapter's ``_init_group`` creates the state while dynamo
+#: traces); CUDA graph trees warm up on a graph's first call, record on its second and replay from
+#: its third, so five steps include three replays.
 COMPARED_STEPS = 5
 
 
@@ -391,9 +391,9 @@ class CompiledStepCheck:
     model: str
     dtype: str
     config: str
-    graphs_first_two_steps: Optional[int] = None
+    graphs_first_step: Optional[int] = None
     graph_breaks: Optional[int] = None
-    recompiles_after_second_step: Optional[int] = None
+    recompiles_after_first_step: Optional[int] = None
     cudagraph_skips: Optional[int] = None
     cudagraph_skip_reasons: list[str] = field(default_factory=list)
     host_reads_eager_step: Optional[int] = None
@@ -412,8 +412,8 @@ class CompiledStepCheck:
         if "FISMO compiled" in self.errors:
             parts.append(f"compile failed: {self.errors['FISMO compiled']}")
         else:
-            parts.append(f"{self.graphs_first_two_steps} graphs, {self.graph_breaks} breaks, "
-                         f"{self.recompiles_after_second_step} recompiles after step 2, "
+            parts.append(f"{self.graphs_first_step} graphs, {self.graph_breaks} breaks, "
+                         f"{self.recompiles_after_first_step} recompiles after step 1, "
                          f"{self.cudagraph_skips} CUDA-graph skips")
         parts.append(f"{self.host_reads_eager_step} host reads per eager step")
         if self.max_rel_diff is not None:
@@ -443,7 +443,7 @@ def check_compiled_step(
     gradients; the gradients stay fixed) on ``device`` in ``dtype`` ("float32" or "bfloat16"),
     and check it against the eager step and time both against ``torch.optim.Muon``'s.
 
-    A problem (a graph break, a recompile after the second step, a CUDA-graph skip under
+    A problem (a graph break, a recompile after the first step, a CUDA-graph skip under
     ``reduce-overhead`` on CUDA, a host read in the eager step, a float32 difference above
     ``fismo_core.testing.TOLERANCES["float32"]``) is listed in ``problems``; a compile that raises
     is in ``errors`` (a problem for FISMO, only reported for Muon).
@@ -504,10 +504,10 @@ def check_compiled_step(
                 result.errors["FISMO compiled"] = f"{type(exc).__name__}: {first_line(exc)}"
                 result.problems.append(f"torch.compile(opt.step, {options}) raised {result.errors['FISMO compiled']}")
                 compiled = None
-            if step == 2:
-                after_two = dynamo_totals()
+            if step == 1:
+                after_first = dynamo_totals()
         if compiled is not None:
-            result.graphs_first_two_steps = after_two["graphs"] - before["graphs"]
+            result.graphs_first_step = after_first["graphs"] - before["graphs"]
             result.max_rel_diff = max(
                 max_relative_error(c.detach().double() - s, e.detach().double() - s)
                 for c, e, s in zip(compiled_params, eager_params, start)
@@ -525,7 +525,7 @@ def check_compiled_step(
         if compiled is not None:
             after = dynamo_totals()
             result.graph_breaks = after["graph_breaks"] - before["graph_breaks"]
-            result.recompiles_after_second_step = after["graphs"] - after_two["graphs"]
+            result.recompiles_after_first_step = after["graphs"] - after_first["graphs"]
             result.cudagraph_skips = after["cudagraph_skips"] - before["cudagraph_skips"]
         result.cudagraph_skip_reasons = sorted(set(skips.messages[muon_skips:]))
         if muon_skips:
@@ -533,8 +533,8 @@ def check_compiled_step(
 
     if result.graph_breaks:
         result.problems.append(f"{result.graph_breaks} graph breaks")
-    if result.recompiles_after_second_step:
-        result.problems.append(f"{result.recompiles_after_second_step} graphs compiled after the second step")
+    if result.recompiles_after_first_step:
+        result.problems.append(f"{result.recompiles_after_first_step} graphs compiled after the first step")
     if cuda and options.get("mode") == "reduce-overhead" and result.cudagraph_skips:
         reasons = "; ".join(result.cudagraph_skip_reasons) or "no reason logged"
         result.problems.append(f"CUDA graphs skipped {result.cudagraph_skips} times ({reasons})")
