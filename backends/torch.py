@@ -414,6 +414,7 @@ class FISMO(Optimizer):
                 loss = closure()
         if torch.compiler.is_compiling():
             self._init_group()
+            self._static_shapes()
         checks = check_grads(self.param_groups)
         placements = self._placements()
         # Lines 4-8 of every FISMO group, nothing written yet: gather, and compute on the owners.
@@ -450,11 +451,26 @@ class FISMO(Optimizer):
                 for p in group["params"]:
                     if p.grad is not None and not self.state[p]:
                         init_adamw_state(self.state[p], p, group)
-                continue
-            core = self._core_for(group)
+            else:
+                core = self._core_for(group)
+                for p in group["params"]:
+                    if p.grad is not None and not self.state.get(p) and not placements[p].distributed:
+                        self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
+
+    def _static_shapes(self) -> None:
+        """Trace with the shapes of the parameters, gradients and states as constants (``torch._dynamo.mark_static``).
+
+        An optimizer's shapes never change, but once a second optimizer with other shapes is
+        compiled in the same process, dynamo traces `step` with symbolic shapes (its automatic
+        dynamic shapes), and inductor cannot compile the ``torch.cond`` of roots recomputed every
+        ``k`` steps with them ("A subgraph argument other than striding has been modified",
+        torch 2.13). Inside a trace ``mark_static`` specialises each size, with a guard.
+        """
+        for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and not self.state.get(p) and not placements[p].distributed:
-                    self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
+                for t in (p, p.grad, *self.state.get(p, {}).values()):
+                    if isinstance(t, torch.Tensor) and not _dist.is_dtensor(t):
+                        torch._dynamo.mark_static(t)
 
     # ------------------------------------------------------------------ FISMO
     def _core_for(self, group: dict) -> _CoreFISMO:

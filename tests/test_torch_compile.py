@@ -252,6 +252,37 @@ def test_a_sweep_over_hyperparameters_compiles_each_optimizer_in_one_graph(make)
             assert torch.equal(a, b), value
 
 
+def test_a_second_optimizer_of_other_shapes_compiles_with_inductor_and_roots_every_k():
+    """Two FISMO optimizers of different shapes compiled with inductor in one process (a sweep over model
+    sizes): dynamo traces the second with symbolic shapes (automatic dynamic), with which inductor cannot
+    compile the roots' ``torch.cond`` ("A subgraph argument other than striding has been modified", torch
+    2.13). The adapter specialises the shapes (``FISMO._static_shapes``): each compiles, once, and matches
+    its eager twin. Inductor reorders float64 sums (``tests/test_compile_core.py``: 29 eps on a direction),
+    so the bar is 1e-12 relative after two steps, far below a step's change."""
+
+    def train(width: int, compiled: bool, **options) -> tuple[list, int]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, width, bias=False), torch.nn.Tanh(), torch.nn.Linear(width, 3, bias=False)
+        ).double()
+        opt = FISMO(model.parameters(), lr=0.02, nonfinite="propagate", **options)
+        backend = CompileCounterWithBackend("inductor")
+        step = torch.compile(opt.step, backend=backend, fullgraph=True) if compiled else opt.step
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(16, 8, generator=gen, dtype=torch.float64)).pow(2).mean().backward()
+            step()
+        return list(model.parameters()), backend.frame_count
+
+    for width, options in ((12, {"block_size": 4}), (6, {"inv_root": {"every": 3}})):
+        compiled, frames = train(width, True, **options)
+        eager, _ = train(width, False, **options)
+        assert frames == 1, (options, frames)
+        for a, b in zip(compiled, eager):
+            assert float((a - b).norm() / b.norm()) <= 1e-12, options
+
+
 def test_roots_every_k_with_step_counts_that_differ_within_a_bucket():
     """Two same-shape matrices (one batched bucket) whose step counts drift apart (one has no gradient at
     one step), roots every 3: at later steps one is due and the other not. The traced choice per matrix
