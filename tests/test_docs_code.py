@@ -95,7 +95,7 @@ READER_HAS: dict[tuple[str, str], str] = {
         "vectors = [p for p in model.parameters() if p.ndim < 2]\n"
     ),
     ("docs/torch.md", "ddp_model = torch.nn.parallel.DistributedDataParallel(model)"): _ONE_RANK_GLOO,
-    ("docs/torch.md", "dcp.save("): "import tempfile\npath = tempfile.mkdtemp()\n",
+    ("docs/torch.md", "dcp.save("): "path = \"checkpoint\"  # in the session's temporary directory\n",
     ("docs/scaling.md", "opt = FISMO(param_groups(model), lr=0.02, block_size=768)"): _TORCH_MODEL,
     ("docs/guarantees.md", 'np.savez("opt.npz"'): (
         "import numpy as np\n"
