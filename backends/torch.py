@@ -86,6 +86,11 @@ _ADAMW_KEYWORD = (
 #: reads when the first is not set.
 ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
+
+def onednn_isa_limit() -> Optional[tuple[str, str]]:
+    """``(variable, value)`` of the environment variable that limits oneDNN's CPU ISA, or ``None``."""
+    return next(((v, os.environ[v]) for v in ONEDNN_ISA_VARIABLES if os.environ.get(v)), None)
+
 #: oneDNN's CPU ISA limits (``ONEDNN_MAX_CPU_ISA``) below the first with bfloat16 dot products
 #: (``AVX512_CORE_BF16``): under them oneDNN emulates bfloat16 matrix products.
 _ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
@@ -115,8 +120,10 @@ def bfloat16_is_native(device: Union[torch.device, str]) -> bool:
         return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type != "cpu":
         return False
-    limit = next((os.environ[v] for v in ONEDNN_ISA_VARIABLES if os.environ.get(v)), "").upper()
-    if limit in _ONEDNN_ISAS_WITHOUT_BF16 or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+    limit = onednn_isa_limit()
+    if limit is not None and limit[1].upper() in _ONEDNN_ISAS_WITHOUT_BF16:
+        return False
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return False

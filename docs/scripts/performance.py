@@ -486,7 +486,7 @@ def section_bfloat16(repeats: int, sides: tuple = (64, 256, 768)) -> None:
     ``bfloat16_is_native`` says here: the rule ``FISMO.training`` picks its precision by."""
     import torch
 
-    from fismo_core.backends.torch import bfloat16_is_native
+    from fismo_core.backends.torch import bfloat16_is_native, onednn_isa_limit
 
     fns, gen = {}, torch.Generator().manual_seed(0)
     for n in sides:
@@ -503,9 +503,9 @@ def section_bfloat16(repeats: int, sides: tuple = (64, 256, 768)) -> None:
                 torch.backends.mkldnn.enabled = before
         fns[f"{n} bfloat16, oneDNN off"] = without_onednn
     times = interleaved_medians(fns, 3 * repeats)
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "not set")
+    limit = "=".join(onednn_isa_limit() or ("oneDNN's ISA not limited",))
     print(f"### A bfloat16 product against a float32 one (ms, median; torch kernels "
-          f"{torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA {limit}; "
+          f"{torch.backends.cpu.get_cpu_capability()}, {limit}; "
           f"bfloat16_is_native('cpu'): {bfloat16_is_native('cpu')})\n")
     print("| side | float32 | bfloat16 (with casts) | bfloat16 / float32 | oneDNN off: bfloat16 / float32 |")
     print("|---|---|---|---|---|")

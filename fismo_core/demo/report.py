@@ -602,12 +602,13 @@ def digest_key() -> str:
         sklearn = metadata.version("scikit-learn")
     except metadata.PackageNotFoundError:
         sklearn = "not installed"
-    from ..backends.torch import ONEDNN_ISA_VARIABLES, bfloat16_is_native
+    from ..backends.torch import bfloat16_is_native, onednn_isa_limit
 
     # FISMO-T computes in bfloat16 only where it is native (FISMO.training's rule).
     bfloat16 = "native" if bfloat16_is_native("cpu") else "emulated"
     kernels = f"{torch.backends.cpu.get_cpu_capability()} kernels, bfloat16 {bfloat16}"
-    forced = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", *ONEDNN_ISA_VARIABLES) if os.environ.get(v)]
+    forced = [f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}"] if os.environ.get("ATEN_CPU_CAPABILITY") else []
+    forced += ["=".join(limit) for limit in [onednn_isa_limit()] if limit is not None]
     if forced:
         kernels += f", forced by {' '.join(forced)}"
     return (f"fismo {__version__}, Python {platform.python_version()}, torch {torch.__version__} "
