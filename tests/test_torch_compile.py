@@ -170,16 +170,19 @@ def test_the_compiled_step_creates_the_states_at_trace_time_as_static_addresses(
     _assert_eager_numbers(model, twin)
 
 
-def test_a_scheduler_changing_a_tensor_lr_does_not_recompile():
+@pytest.mark.parametrize("adamw_lr, recompiles", [(torch.tensor(1e-3, dtype=torch.float64), 0), (1e-3, 1)],
+                         ids=["tensor AdamW lr", "float AdamW lr"])
+def test_a_scheduler_changing_a_tensor_lr_does_not_recompile(adamw_lr, recompiles):
     """PyTorch's recipe for compiled optimizers with schedulers: a tensor lr, and ``opt.step(); sched.step()`` in
-    the compiled function (the scheduler's wrapper of ``opt.step`` is a graph break dynamo imposes on every optimizer)."""
+    the compiled function (the scheduler's wrapper of ``opt.step`` is a graph break dynamo imposes on every optimizer).
+    With tensor learning rates in every group nothing compiles after the first step; a float lr (here the AdamW
+    group's) that the scheduler changes compiles once more, with the float made symbolic, then no more."""
     model = _mlp()
     twin = copy.deepcopy(model)
     batches = _batches(model, 8)
 
     def build(m):
-        # Tensor learning rates for both algorithms: a float lr that the scheduler changes recompiles once.
-        groups = param_groups(m, adamw_options={"lr": torch.tensor(1e-3, dtype=torch.float64)})
+        groups = param_groups(m, adamw_options={"lr": copy.deepcopy(adamw_lr)})
         opt = FISMO(groups, lr=torch.tensor(0.05, dtype=torch.float64), nonfinite="propagate", weight_decay=0.1)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
@@ -199,9 +202,27 @@ def test_a_scheduler_changing_a_tensor_lr_does_not_recompile():
     frames = []
     _run(model, opt, batches, step, after=lambda i: frames.append(backend.frame_count))
     _run(twin, eager_opt, batches, eager_step)
-    assert frames[1:] == [frames[0]] * (len(frames) - 1), frames  # nothing compiles after the first step
+    # frames[0]: the frames of one compilation (the compiled function, and opt.step after the scheduler's break).
+    assert frames[1:] == [frames[0] * (1 + recompiles)] * (len(frames) - 1), frames
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.05 / 9)
     _assert_eager_numbers(model, twin)
+
+
+def test_a_compiled_first_step_that_raises_keeps_the_initial_states_it_created():
+    """The documented difference from eager: a first step that raises (``nonfinite="raise"``, a NaN gradient)
+    removes the states it created eagerly, but compiled they were created while dynamo traced (``_init_group``)
+    and stay, as the initial states (step 0, ``M = 0``), which is what the next step would create anyway."""
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    states = {}
+    for mode in ("eager", "compiled"):
+        opt = FISMO([w], lr=0.02)
+        w.grad = torch.full_like(w, float("nan"))
+        step = torch.compile(opt.step, backend="aot_eager") if mode == "compiled" else opt.step
+        with pytest.raises(ValueError, match="NaN"):
+            step()
+        states[mode] = dict(opt.state.get(w, {}))
+    assert states["eager"] == {}
+    assert int(states["compiled"]["step"]) == 0 and not states["compiled"]["M"].any()
 
 
 def test_a_cnn_with_batchnorm_blocks_and_skipped_steps_does_not_recompile():

@@ -374,8 +374,8 @@ class CompiledStep:
     step: Optional[Callable[[], Any]]
     #: seconds of the first call: compiling, and the step that creates the state
     compile_seconds: float = math.nan
-    #: graphs compiled, graph breaks and recompile-limit hits in the first two calls (the state is
-    #: created in the first), and graphs compiled in the next eleven (recompiles at steady state; they
+    #: graphs compiled, graph breaks and recompile-limit hits in the first two calls (FISMO's state is
+    #: created while the first is traced), and graphs compiled in the next eleven (recompiles at steady state; they
     #: include a step that recomputes the roots of ``InverseRootConfig(every=10)``)
     warmup: dict = field(default_factory=dict)
     steady_graphs: int = 0

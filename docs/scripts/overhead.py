@@ -283,8 +283,8 @@ def gpt_section(configs: list[str], compiled: bool, repeats: int) -> None:
                    "recompile-limit hits / steady recompiles", "first call (s)"]
     print(table(header, rows))
     if compiled:
-        print("\n(graphs, graph breaks, recompile-limit hits: in the first two compiled steps, which create the "
-              "state; steady recompiles: graphs compiled in steps 3 to 13, a refresh of roots every 10 steps among them.)")
+        print("\n(graphs, graph breaks, recompile-limit hits: in the first two compiled steps (FISMO's states are "
+              "created while the first is traced); steady recompiles: graphs compiled in steps 3 to 13, a refresh of roots every 10 steps among them.)")
         for name, c in compiled_steps.items():
             if c.error:
                 print(f"\n{CONFIG_LABELS.get(name, name)}: torch.compile(opt.step) failed: {c.error}")
