@@ -11,7 +11,20 @@ provides the public ``array_target`` fixtures, exercised by
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
+
 import pytest
+
+# Inductor's FX graph cache (torch 2.13) reuses a graph compiled under another ATEN_CPU_CAPABILITY:
+# a blocked FISMO step compiled under the default capability, then under avx2, gave NaN, and the reverse
+# order silently wrong parameters (docs/torch.md, "torch.compile"). One cache per capability, so that
+# running the suite under several kernel sets on one machine (as .ci/run does) cannot mix them.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"),
+)
 
 pytest.register_assert_rewrite("fismo_core.pytest_plugin")  # imported below, before pytest loads it as a plugin
 
