@@ -6,7 +6,9 @@ Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]. This module ho
   (`STATE_KEYS`, `COUNTER_KEYS`, `init_matrix_state`; the keys and shapes are the
   core's, `fismo_core.optimizer.state_layout`) and
   its stacking into one batched core state per bucket (`pack`, `unpack`),
-- the checkpoint checks and the precision-preserving restore of
+- the checkpoint layout of a distributed matrix's state (`exported_state`, what
+  ``state_dict`` saves; `full_saved_state`, the whole matrices ``load_state_dict``
+  checks), the checkpoint checks and the precision-preserving restore of
   ``load_state_dict`` (`check_saved_state`, which validates through the core's
   ``FISMOState.from_dict``, and `restore_saved_state`),
 - the gradient checks of a step (`check_grads`: layout, dtype, shape, and
@@ -29,7 +31,7 @@ from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
-from ._torch_distributed import is_dtensor, local_device, local_tensor, shard_group
+from ._torch_distributed import Placement, full_tensor, is_dtensor, local_device, local_tensor, shard_group
 from ._torch_groups import CORE_DEFAULTS, param_name
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
@@ -215,6 +217,50 @@ def restore_saved_state(
 
 
 # ---------------------------------------------------------------- gradients
+def exported_state(p: torch.Tensor, group: dict, placement: Placement, state: dict) -> dict:
+    """One distributed matrix's state for ``state_dict``: its step count, and its owner's tensors in the checkpoint layout."""
+    dtype, device = state_dtype(p.dtype), local_device(p)
+    layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), group.get("block_size"))
+    exported = {"step": state["step"]}
+    for key, shape in layout.items():
+        exported[key] = placement.export(state.get(key) if placement.owns else None, shape, dtype, device)
+    for key in COUNTER_KEYS:
+        exported[key] = placement.export(state.get(key) if placement.owns else None, (), torch.int32, device)
+    return exported
+
+
+def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, placements: dict) -> tuple[dict, dict]:
+    """``saved_state`` with every distributed matrix's tensors made whole (``DTensor.full_tensor``), for the checks.
+
+    A collective (in parameter order, the same on every rank), so that every
+    rank then checks the same checkpoint and takes the same decision. Only
+    the owner keeps a matrix's tensors; the other ranks keep their shapes and
+    dtypes (on the ``meta`` device), which is all the checks read, so no rank
+    holds more than one other matrix's full state at a time. Returns the
+    checked state and the one for ``Optimizer.load_state_dict``, where a
+    matrix another rank owns keeps only its step count.
+    """
+    full, base = dict(saved_state), dict(saved_state)
+    for saved_group, group in zip(saved_groups, param_groups):
+        if group.get("algorithm", "fismo") != "fismo":
+            continue
+        for key, p in zip(saved_group["params"], group["params"]):
+            saved = saved_state.get(key)
+            placement = placements.get(p)
+            if not (saved and placement is not None and placement.distributed):
+                continue
+            whole = {}
+            for k, v in saved.items():
+                if isinstance(v, torch.Tensor):
+                    v = full_tensor(v)
+                    if not placement.owns and v.is_floating_point() and v.ndim:
+                        v = v.to("meta")
+                whole[k] = v
+            full[key] = whole
+            base[key] = whole if placement.owns else {k: v for k, v in whole.items() if k == "step"}
+    return full, base
+
+
 def _agree_across_shards(checks: list) -> list:
     """A sharded (``DTensor``) parameter's flag, reduced (minimum) over its shard group: one all-reduce per group.
 

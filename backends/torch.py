@@ -16,9 +16,10 @@ momentum, polar factor, un-whitening) is computed by the array-API core,
 
 The optimizer protocol (this class) is here; the rest lives in private modules:
 ``_torch_groups`` (param-group routing, validation, the `param_groups` helper,
-the AdamW route), ``_torch_state`` (the per-parameter state, checkpoint and
-gradient checks) and ``_torch_distributed`` (matrix owners, gather, scatter,
-broadcast). See ``docs/torch.md``.
+the AdamW route), ``_torch_state`` (the per-parameter state, its checkpoint
+layout, checkpoint and gradient checks), ``_torch_distributed`` (matrix owners,
+gather, scatter, broadcast), ``_torch_compile`` (what only the traced step runs)
+and ``_torch_precision`` (where bfloat16 is native). See ``docs/torch.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -57,21 +57,25 @@ from ._torch_groups import (
     route_group,
     validate_fismo_hparams,
 )
+from ._torch_compile import traced_refresh
+from ._torch_precision import bfloat16_is_native, onednn_isa_limit, training_precision
 from ._torch_state import (
     COUNTER_KEYS,
     STATE_KEYS,
     check_grads,
-    raise_nonfinite,
     check_saved_state,
+    exported_state,
+    full_saved_state,
     init_matrix_state,
     pack,
+    raise_nonfinite,
     restore_saved_state,
-    state_dtype,
     unpack,
 )
 
 __all__ = [
-    "ADAMW_DEFAULTS", "COUNTER_KEYS", "FISMO", "STATE_KEYS", "bfloat16_is_native", "param_groups", "training_precision",
+    "ADAMW_DEFAULTS", "COUNTER_KEYS", "FISMO", "STATE_KEYS", "bfloat16_is_native", "onednn_isa_limit", "param_groups",
+    "training_precision",
 ]
 
 _CORE_DEFAULTS = CORE_DEFAULTS
@@ -80,70 +84,6 @@ _ADAMW_KEYWORD = (
     "a key of the AdamW groups (biases, norms, embeddings, the head): "
     "param_groups(model, adamw_options={{'{0}': ...}}), or {{'params': [...], 'algorithm': 'adamw', '{0}': ...}}"
 )
-
-
-#: The environment variables that limit oneDNN's CPU ISA: today's name, then the older one oneDNN still
-#: reads when the first is not set.
-ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
-
-
-def onednn_isa_limit() -> Optional[tuple[str, str]]:
-    """``(variable, value)`` of the environment variable that limits oneDNN's CPU ISA, or ``None``."""
-    return next(((v, os.environ[v]) for v in ONEDNN_ISA_VARIABLES if os.environ.get(v)), None)
-
-#: oneDNN's CPU ISA limits (``ONEDNN_MAX_CPU_ISA``) below the first with bfloat16 dot products
-#: (``AVX512_CORE_BF16``): under them oneDNN emulates bfloat16 matrix products.
-_ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
-    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
-
-
-def bfloat16_is_native(device: Union[torch.device, str]) -> bool:
-    """Whether torch multiplies bfloat16 matrices on ``device`` with bfloat16 instructions.
-
-    A CUDA GPU of compute capability 8.0 or later (Ampere on; on ROCm, what
-    ``torch.cuda.is_bf16_supported(including_emulation=False)`` says); a CPU
-    whose torch kernels are its AVX-512 ones
-    (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY``
-    lowers) with AVX512-BF16 or AMX-BF16 instructions, oneDNN enabled and not
-    limited below ``AVX512_CORE_BF16`` (``ONEDNN_MAX_CPU_ISA``). Elsewhere
-    bfloat16 is emulated, at several times float32's cost (measured on the
-    documentation page "Performance", "bfloat16 where it is native"). ARM
-    CPUs with BF16 and other devices are answered ``False``: untested.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return False
-        if torch.version.hip is not None:
-            with torch.cuda.device(device):
-                return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-        return torch.cuda.get_device_capability(device) >= (8, 0)
-    if device.type != "cpu":
-        return False
-    limit = onednn_isa_limit()
-    if limit is not None and limit[1].upper() in _ONEDNN_ISAS_WITHOUT_BF16:
-        return False
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return False
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return False
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if capabilities is not None:
-        found = capabilities()
-        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-
-
-def training_precision(native_bfloat16: bool) -> dict:
-    """The precision options [`FISMO.training`][fismo_core.backends.torch.FISMO.training] adds to the core's
-    [`TRAINING`][fismo_core.optimizer.TRAINING]: with ``native_bfloat16``
-    (every parameter's device has bfloat16 instructions,
-    [`bfloat16_is_native`][fismo_core.backends.torch.bfloat16_is_native]), ``torch.optim.Muon``'s bfloat16
-    for the polar iteration and the preconditioners' products; otherwise
-    ``None`` for both, the parameters' dtype (float32 for bf16 parameters,
-    whose state is float32)."""
-    dtype = "bfloat16" if native_bfloat16 else None
-    return {"polar": {"dtype": dtype}, "inv_root": {"matmul_dtype": dtype}}
 
 
 def _listed_with_devices(params: Any) -> tuple[Any, set]:
@@ -380,7 +320,7 @@ class FISMO(Optimizer):
         """
         saved_groups = state_dict["param_groups"]
         placements = self._placements()
-        saved_state, base_state = _full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
+        saved_state, base_state = full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
         check_saved_state(self.param_groups, saved_state, saved_groups)
         super().load_state_dict({**state_dict, "state": base_state})
         restore_saved_state(
@@ -408,7 +348,7 @@ class FISMO(Optimizer):
                 placement = placements.get(p)
                 state = self.state.get(p)
                 if placement is not None and placement.distributed and state:
-                    saved["state"][index] = _exported_state(p, group, placement, state)
+                    saved["state"][index] = exported_state(p, group, placement, state)
                 index += 1
         return saved
 
@@ -527,7 +467,7 @@ class FISMO(Optimizer):
             G = grad.reshape(m, n)
             # InverseRootConfig.every: whether this parameter's roots are due, from its own step count.
             # With every == 1 (the default) they always are: no read of the step count.
-            # Compiled (torch.compile), the decision stays on the device: see _traced_refresh.
+            # Compiled (torch.compile), the decision stays on the device: see _torch_compile.traced_refresh.
             every = core.inv_root.every
             if every == 1:
                 refresh = True
@@ -545,7 +485,7 @@ class FISMO(Optimizer):
             # not used by the algorithm; each parameter keeps its own in state["step"].
             if refresh is None:
                 due = core.inv_root.is_refresh_step(torch.stack([s["step"] for s in states]))
-                result = _traced_refresh(core, G_stack, stacked, due)
+                result = traced_refresh(core, G_stack, stacked, due)
             else:
                 result = core.direction_with_faults(G_stack, stacked, refresh_roots=refresh)
             plan.calls.append(_CoreCall([p for p, _ in bucket], states, G_stack, stacked, refresh, result))
@@ -621,50 +561,6 @@ class FISMO(Optimizer):
         return init_matrix_state(core, state, G, p.dtype, name="W" if state else self._label(p))
 
 
-def _traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.Tensor) -> Any:
-    """Lines 4-8 of a bucket under ``torch.compile`` with ``InverseRootConfig(every=k)``, ``k > 1``.
-
-    ``due`` (per matrix, where the step counts live: the CPU) says whose roots are recomputed at this step. Eagerly the
-    adapter reads each step count and buckets by the answer; traced, that read would break the
-    graph, and the graph would recompile whenever the answer changes. Here two ``torch.cond`` keep
-    both paths in one graph: the call that recomputes the roots runs when any matrix is due, the
-    one that keeps them when any is not, and each matrix takes its own (the matrices of a bucket
-    differ only when their step counts do). Each is the eager adapter's call, traced once. Only for
-    a core that does not check its roots (no fault flags to return: ``nonfinite="propagate"``).
-    """
-    leaves, spec = torch.utils._pytree.tree_flatten((G, stacked))
-    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
-
-    def rebuild(tensors: Any) -> Any:
-        it = iter(tensors)
-        return torch.utils._pytree.tree_unflatten([next(it) if t else x for x, t in zip(leaves, is_tensor)], spec)
-
-    def call(refresh: bool) -> Callable[..., tuple]:
-        def branch(*tensors: torch.Tensor) -> tuple:
-            G_, stacked_ = rebuild(tensors)
-            result = core.direction_with_faults(G_, stacked_, refresh_roots=refresh)
-            if any(flag is not None for flag in result.faults):  # excluded by _fismo_compute's condition
-                raise RuntimeError("a traced refresh cannot return fault flags")
-            out = torch.utils._pytree.tree_flatten((result.direction, result.state._replace(step=stacked_.step)))[0]
-            # torch.cond's outputs may not alias its inputs (the roots kept, P and Q with gamma = 1), and
-            # both branches must lay them out alike: contiguous.
-            return tuple(x.clone(memory_format=torch.contiguous_format) if any(x is a for a in tensors)
-                         else x.contiguous() for x in out if isinstance(x, torch.Tensor))
-        return branch
-
-    def unused(*tensors: torch.Tensor) -> tuple:  # the other branch's shapes; every entry is replaced below
-        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in tensors)
-
-    operands = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-    fresh = torch.cond(due.any(), call(True), unused, operands)
-    kept = torch.cond(due.all(), unused, call(False), operands)
-    # The predicates stay where the step counts are (the CPU: no device read); the choice goes to the data.
-    due_here = due.to(G.device)
-    out = tuple(torch.where(due_here.reshape(due.shape + (1,) * (a.ndim - 1)), a, b) for a, b in zip(fresh, kept))
-    direction, state = rebuild(out)
-    return _fismo.StepResult(direction, state, _guards.StepFaults())
-
-
 class _CoreCall(NamedTuple):
     """One batched core call of a step: its matrices, their states (per parameter and stacked), ``G`` and result."""
 
@@ -715,48 +611,3 @@ def _apply(p: torch.Tensor, direction: torch.Tensor, lr: Union[float, torch.Tens
         p.sub_(direction.reshape(p.shape) * rate.to(direction.dtype))
     else:
         p.add_(direction.reshape(p.shape), alpha=-rate)
-
-
-# ---------------------------------------------------------------- checkpoints
-def _exported_state(p: torch.Tensor, group: dict, placement: _dist.Placement, state: dict) -> dict:
-    """One distributed matrix's state for ``state_dict``: its step count, and its owner's tensors in the checkpoint layout."""
-    dtype, device = state_dtype(p.dtype), _dist.local_device(p)
-    layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), group.get("block_size"))
-    exported = {"step": state["step"]}
-    for key, shape in layout.items():
-        exported[key] = placement.export(state.get(key) if placement.owns else None, shape, dtype, device)
-    for key in COUNTER_KEYS:
-        exported[key] = placement.export(state.get(key) if placement.owns else None, (), torch.int32, device)
-    return exported
-
-
-def _full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, placements: dict) -> tuple[dict, dict]:
-    """``saved_state`` with every distributed matrix's tensors made whole (``DTensor.full_tensor``), for the checks.
-
-    A collective (in parameter order, the same on every rank), so that every
-    rank then checks the same checkpoint and takes the same decision. Only
-    the owner keeps a matrix's tensors; the other ranks keep their shapes and
-    dtypes (on the ``meta`` device), which is all the checks read, so no rank
-    holds more than one other matrix's full state at a time. Returns the
-    checked state and the one for ``Optimizer.load_state_dict``, where a
-    matrix another rank owns keeps only its step count.
-    """
-    full, base = dict(saved_state), dict(saved_state)
-    for saved_group, group in zip(saved_groups, param_groups):
-        if group.get("algorithm", "fismo") != "fismo":
-            continue
-        for key, p in zip(saved_group["params"], group["params"]):
-            saved = saved_state.get(key)
-            placement = placements.get(p)
-            if not (saved and placement is not None and placement.distributed):
-                continue
-            whole = {}
-            for k, v in saved.items():
-                if isinstance(v, torch.Tensor):
-                    v = _dist.full_tensor(v)
-                    if not placement.owns and v.is_floating_point() and v.ndim:
-                        v = v.to("meta")
-                whole[k] = v
-            full[key] = whole
-            base[key] = whole if placement.owns else {k: v for k, v in whole.items() if k == "step"}
-    return full, base

@@ -1,0 +1,62 @@
+"""What only the traced step of the torch adapter runs (``torch.compile``).
+
+Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]: `traced_refresh`, lines 4-8 of a
+bucket whose inverse roots are due every ``k`` steps, with the decision kept in the graph. The
+optimizer's ``_init_group`` and ``_static_shapes``, which dynamo's tracing of ``step`` calls, stay
+methods of ``FISMO``. See "torch.compile" in ``docs/torch.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fismo_core import guards as _guards
+from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
+from fismo_core.optimizer import FISMO as _CoreFISMO
+
+
+def traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.Tensor) -> Any:
+    """Lines 4-8 of a bucket under ``torch.compile`` with ``InverseRootConfig(every=k)``, ``k > 1``.
+
+    ``due`` (per matrix, where the step counts live: the CPU) says whose roots are recomputed at this step. Eagerly the
+    adapter reads each step count and buckets by the answer; traced, that read would break the
+    graph, and the graph would recompile whenever the answer changes. Here two ``torch.cond`` keep
+    both paths in one graph: the call that recomputes the roots runs when any matrix is due, the
+    one that keeps them when any is not, and each matrix takes its own (the matrices of a bucket
+    differ only when their step counts do). Each is the eager adapter's call, traced once. Only for
+    a core that does not check its roots (no fault flags to return: ``nonfinite="propagate"``).
+    """
+    leaves, spec = torch.utils._pytree.tree_flatten((G, stacked))
+    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+
+    def rebuild(tensors: Any) -> Any:
+        it = iter(tensors)
+        return torch.utils._pytree.tree_unflatten([next(it) if t else x for x, t in zip(leaves, is_tensor)], spec)
+
+    def call(refresh: bool) -> Callable[..., tuple]:
+        def branch(*tensors: torch.Tensor) -> tuple:
+            G_, stacked_ = rebuild(tensors)
+            result = core.direction_with_faults(G_, stacked_, refresh_roots=refresh)
+            if any(flag is not None for flag in result.faults):  # the caller (FISMO._fismo_compute) excludes it
+                raise RuntimeError("a traced refresh cannot return fault flags")
+            out = torch.utils._pytree.tree_flatten((result.direction, result.state._replace(step=stacked_.step)))[0]
+            # torch.cond's outputs may not alias its inputs (the roots kept, P and Q with gamma = 1), and
+            # both branches must lay them out alike: contiguous.
+            return tuple(x.clone(memory_format=torch.contiguous_format) if any(x is a for a in tensors)
+                         else x.contiguous() for x in out if isinstance(x, torch.Tensor))
+        return branch
+
+    def unused(*tensors: torch.Tensor) -> tuple:  # the other branch's shapes; every entry is replaced below
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in tensors)
+
+    operands = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+    fresh = torch.cond(due.any(), call(True), unused, operands)
+    kept = torch.cond(due.all(), unused, call(False), operands)
+    # The predicates stay where the step counts are (the CPU: no device read); the choice goes to the data.
+    due_here = due.to(G.device)
+    out = tuple(torch.where(due_here.reshape(due.shape + (1,) * (a.ndim - 1)), a, b) for a, b in zip(fresh, kept))
+    direction, state = rebuild(out)
+    return _fismo.StepResult(direction, state, _guards.StepFaults())
