@@ -4,12 +4,12 @@ Three spawns share one checkpoint directory:
 
 1. 2 ranks: FSDP2 and DDP train to ``RESUME_AT`` and save with
    ``get_state_dict`` + ``dcp.save``;
-2. 4 ranks: both resume from the 2-rank checkpoints (2 -> 4) and finish; FSDP2
-   also trains to ``RESUME_AT`` and saves (for 4 -> 2); HSDP on a 2 x 2 mesh,
+2. 4 ranks: both resume from the 2-rank checkpoints (2 -> 4) and finish; both
+   also train to ``RESUME_AT`` and save (for 4 -> 2); HSDP on a 2 x 2 mesh,
    FSDP2 with ``Shard(1)`` and tensor parallelism run uninterrupted;
-3. 2 ranks: FSDP2 resumes from the 4-rank checkpoint (4 -> 2) and finishes.
+3. 2 ranks: FSDP2 and DDP resume from the 4-rank checkpoints (4 -> 2) and finish.
 
-This process then resumes the 2-rank checkpoints on a plain, undistributed
+This process then resumes the 2-rank checkpoints (and FSDP2's 4-rank one) on a plain, undistributed
 model (2 -> 1). Every finished run must equal one uninterrupted process on
 the whole batch (`_single_process`).
 """
@@ -135,6 +135,10 @@ def _second(rank: int, world: int, ckpt: Path) -> dict:
     opt = _optimizer(model)
     _train(model, opt, X, Y, range(RESUME_AT))
     _save(model, opt, ckpt / "fsdp2-4")
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _train(net, opt, X, Y, range(RESUME_AT))
+    _save(net, opt, ckpt / "ddp-4")
 
     hsdp = _fsdp2(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     opt = _optimizer(hsdp)
@@ -165,7 +169,13 @@ def _third(rank: int, world: int, ckpt: Path) -> dict:
     opt = _optimizer(model)
     _load(model, opt, ckpt / "fsdp2-4")
     _train(model, opt, X, Y, range(RESUME_AT, STEPS))
-    return {"fsdp2 4->2": _params(model)}
+    out = {"fsdp2 4->2": _params(model)}
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _load(net, opt, ckpt / "ddp-4")
+    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
+    out["ddp 4->2"] = _params(model)
+    return out
 
 
 def _worker(rank: int, world: int, phase: str, store: str, ckpt: str, out: str) -> None:
@@ -216,8 +226,9 @@ def test_four_ranks_equal_the_single_process_run(runs, single_process, run):
     assert _worst(results[0], single_process) <= TOL
 
 
-def test_four_to_two_ranks(runs, single_process):
-    results = [r["fsdp2 4->2"] for r in runs["third"]]
+@pytest.mark.parametrize("run", ["fsdp2 4->2", "ddp 4->2"])
+def test_four_to_two_ranks(runs, single_process, run):
+    results = [r[run] for r in runs["third"]]
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert _worst(results[0], single_process) <= TOL
 

@@ -261,3 +261,37 @@ def test_blocked_states_live_on_their_owners(runs, mode):
     assert "P_rest" not in shapes[0]
     assert shapes[6]["P"] == (3, 3) and shapes[6]["Q"] == (2, 8, 8) and "Q_rest" not in shapes[6]
     assert shapes[2]["P"] == (16, 16) and shapes[8]["Q"] == (3, 3)  # the full group
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group in this process (in-memory store), destroyed afterwards."""
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this test process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["shard-twice", "partial"])
+def test_unsupported_dtensor_layouts_are_refused_with_what_is_supported(one_rank_group, layout):
+    """A matrix sharded on two mesh dimensions (FSDP2 combined with tensor parallelism) or held as a
+    ``Partial`` sum is refused when the optimizer is built, with the layouts that are supported and
+    the way out; an ``"adamw"`` group takes it. A (1, 1) mesh has the placements of a real one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from fismo_core.backends.torch import FISMO
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    placements = [Shard(0), Shard(1)] if layout == "shard-twice" else [Partial(), Shard(0)]
+    w = torch.nn.Parameter(DTensor.from_local(torch.randn(6, 4), mesh, placements))
+    with pytest.raises(NotImplementedError) as caught:
+        FISMO([w], lr=0.02)
+    message = str(caught.value)
+    assert f"placements {w.placements} on a 2-D mesh" in message, message
+    for supported in ("FSDP2", "HSDP", "ColwiseParallel", "RowwiseParallel", "'adamw' group"):
+        assert supported in message, message
+    FISMO([{"params": [w], "algorithm": "adamw"}], lr=0.02)  # AdamW takes any layout

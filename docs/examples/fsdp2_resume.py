@@ -1,6 +1,6 @@
 """Train a small GPT with FISMO under FSDP2 on 4 CPU ranks, checkpoint with DCP mid-run, resume on 2 ranks, finish.
 
-Run: ``python docs/examples/fsdp2_resume.py`` (gloo on CPU, no GPU needed; about a minute on 2 cores).
+Run: ``python docs/examples/fsdp2_resume.py`` (gloo on CPU, no GPU needed; about 100 s on 2 cores, as measured in docs/torch.md).
 
 What it does, as a training job that is moved to a smaller allocation:
 
