@@ -216,7 +216,7 @@ def restore_saved_state(
                 s["step"] = s["step"].clone()
 
 
-# ---------------------------------------------------------------- gradients
+# ---------------------------------------------------------------- checkpoints of distributed matrices
 def exported_state(p: torch.Tensor, group: dict, placement: Placement, state: dict) -> dict:
     """One distributed matrix's state for ``state_dict``: its step count, and its owner's tensors in the checkpoint layout."""
     dtype, device = state_dtype(p.dtype), local_device(p)
@@ -261,6 +261,7 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
     return full, base
 
 
+# ---------------------------------------------------------------- gradients
 def _agree_across_shards(checks: list) -> list:
     """A sharded (``DTensor``) parameter's flag, reduced (minimum) over its shard group: one all-reduce per group.
 

@@ -79,6 +79,9 @@ __all__ = [
 ]
 
 _CORE_DEFAULTS = CORE_DEFAULTS
+#: Where every parameter's step count lives, FISMO's and its AdamW groups' (as ``torch.optim.AdamW``'s with
+#: ``capturable=False``), whatever the parameter's device: reading it never waits for a GPU.
+STEP_COUNT_DEVICE = torch.device("cpu")
 #: Keywords of torch's other optimizers that belong to the AdamW groups here.
 _ADAMW_KEYWORD = (
     "a key of the AdamW groups (biases, norms, embeddings, the head): "
@@ -391,7 +394,13 @@ class FISMO(Optimizer):
         graphs (``mode="reduce-overhead"``) may update them in place. One call for all groups:
         dynamo's view of ``self.state`` is taken once, after every state exists. States of
         distributed matrices (DDP, FSDP2) are still created in the step, on their owners.
+
+        Before this call dynamo moves every existing state's ``"step"`` to its parameter's
+        device (``OptimizerVariable.move_step_if_cpu``, for ``torch.optim``'s capturable
+        path): after eager steps or a resumed checkpoint, a GPU's. The step counts of
+        both algorithms stay on the CPU here (`_step_counts_on_the_cpu`).
         """
+        self._step_counts_on_the_cpu()
         placements = self._placements()
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
@@ -403,6 +412,19 @@ class FISMO(Optimizer):
                 for p in group["params"]:
                     if p.grad is not None and not self.state.get(p) and not placements[p].distributed:
                         self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
+
+    def _step_counts_on_the_cpu(self) -> None:
+        """Every state's ``"step"`` back on the CPU, where it is created (no-op when it is there).
+
+        Roots due every ``k`` steps are decided from the step counts without a device read
+        (the predicates of `_torch_compile.traced_refresh` stay on the CPU), an eager step
+        reads them without waiting for the device, and the AdamW groups' are
+        ``torch.optim.AdamW``'s with ``capturable=False``. Runs at trace time only.
+        """
+        for state in self.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.device != STEP_COUNT_DEVICE:
+                state["step"] = step.to(STEP_COUNT_DEVICE)
 
     def _static_shapes(self) -> None:
         """Trace with the shapes of the parameters, gradients and states as constants (``torch._dynamo.mark_static``).

@@ -218,7 +218,30 @@ def test_compiled_step_check_on_cpu(single_threaded_torch):
     assert check.aten_ops_eager_step > 0
     assert set(check.medians_ms) == {"FISMO eager", "FISMO compiled", "Muon eager", "Muon compiled"}
     assert all(ms > 0 for ms in check.medians_ms.values())
-    assert "0 breaks, 0 recompiles after step 1" in check.summary()
+    assert "0 breaks, 0 recompiles after the first compiled step" in check.summary()
+
+
+@pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
+@pytest.mark.parametrize("config", ["training, propagate", "propagate, compiled after 2 eager steps"])
+def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps(single_threaded_torch, config):
+    """Stage 3's other configurations, as above on the CPU: ``FISMO.training`` (its roots recomputed at
+    step 11, inside the one graph), and a compile that finds the states of two eager steps (one graph,
+    and every step count still on the CPU). The training configuration's eager step reads its 8 step
+    counts to decide whether roots are due: CPU tensors, which on a GPU the check does not count (they
+    do not wait for the device); on the CPU they are the one problem reported."""
+    pytest.importorskip("torch._dynamo")
+    params = gpu_checks.MODELS["tiny-gpt"]()
+    check = gpu_checks.check_compiled_step(
+        params, model="tiny-gpt", dtype="float32", config=config, device="cpu",
+        compile_options={"backend": "eager", "fullgraph": True}, repeats=1,
+    )
+    step_count_reads = [p for p in check.problems if p.startswith("8 host reads") and "_fismo_compute" in p]
+    expected = 1 if config.startswith("training") else 0
+    assert len(step_count_reads) == expected and check.problems == step_count_reads and check.errors == {}
+    assert (check.graphs_first_step, check.graph_breaks, check.recompiles_after_first_step) == (1, 0, 0)
+    assert check.step_count_devices == ["cpu"] and check.max_rel_diff == 0.0
+    training = gpu_checks.build_fismo(gpu_checks.MODELS["tiny-gpt"](), "training, propagate")
+    assert training.param_groups[0]["inv_root"]["every"] == 10 < gpu_checks.CONFIGS["training, propagate"]["steps"]
 
 
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)

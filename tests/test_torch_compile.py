@@ -209,6 +209,49 @@ def test_a_scheduler_changing_a_tensor_lr_does_not_recompile(adamw_lr, recompile
     _assert_eager_numbers(model, twin)
 
 
+def test_step_counts_are_put_back_on_the_cpu_after_dynamo_moves_them(monkeypatch):
+    """Compiled after eager steps (or a resumed checkpoint), dynamo moves every state's ``"step"`` to its
+    parameter's device before it runs ``_init_group`` (``OptimizerVariable.move_step_if_cpu``; on a CPU no
+    move). ``_init_group`` runs after that move and puts the step counts back (next test); the compiled step
+    then counts on from the eager ones. ``docs/scripts/gpu_checks.py`` checks the devices on a GPU."""
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+
+    events = []
+    move, put_back = OptimizerVariable.move_step_if_cpu, FISMO._step_counts_on_the_cpu
+    monkeypatch.setattr(OptimizerVariable, "move_step_if_cpu", lambda self: (events.append("moved"), move(self)))
+    monkeypatch.setattr(FISMO, "_step_counts_on_the_cpu", lambda self: (events.append("put back"), put_back(self)))
+    model = _mlp()
+    opt = FISMO(param_groups(model), lr=0.02, nonfinite="propagate")
+    batches = _batches(model, 3)
+    for x in batches[:2]:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    assert events == []  # eagerly nothing of this runs
+    opt.zero_grad()
+    model(batches[2]).pow(2).mean().backward()
+    torch.compile(opt.step, backend="eager", fullgraph=True)()
+    assert events == ["moved", "put back"]
+    assert {float(state["step"]) for state in opt.state.values()} == {3.0}
+    assert {state["step"].device.type for state in opt.state.values()} == {"cpu"}
+
+
+def test_step_counts_on_another_device_are_moved_to_theirs(monkeypatch):
+    """``_step_counts_on_the_cpu`` moves every step count, FISMO's and AdamW's, that is not on the step
+    counts' device; with that device made ``meta`` for the test, every CPU count is such a count."""
+    import fismo_core.backends.torch as adapter
+
+    model = _mlp()
+    opt = FISMO(param_groups(model), lr=0.02, nonfinite="propagate")
+    model(_batches(model, 1)[0]).pow(2).mean().backward()
+    opt.step()
+    kinds = {g["algorithm"] for g in opt.param_groups for p in g["params"] if "step" in opt.state[p]}
+    assert kinds == {"fismo", "adamw"}
+    monkeypatch.setattr(adapter, "STEP_COUNT_DEVICE", torch.device("meta"))
+    opt._step_counts_on_the_cpu()
+    assert {state["step"].device.type for state in opt.state.values()} == {"meta"}
+
+
 def test_a_compiled_first_step_that_raises_keeps_the_initial_states_it_created():
     """The documented difference from eager: a first step that raises (``nonfinite="raise"``, a NaN gradient)
     removes the states it created eagerly, but compiled they were created while dynamo traced (``_init_group``)

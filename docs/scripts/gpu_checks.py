@@ -332,11 +332,27 @@ MODELS: dict[str, Callable[[], list]] = {
     "tiny-gpt": lambda: _benchmarks().bench_overhead.small_gpt_matrices(0),
     "gpt2-small": lambda: _benchmarks().bench_overhead.matrices_with_grads(_benchmarks().bench_overhead.gpt2_shapes(scale=1)),
 }
-#: The FISMO configurations of stage 3 (keyword arguments of ``fismo_core.backends.torch.FISMO``).
+#: The FISMO configurations of stage 3: keyword arguments of ``fismo_core.backends.torch.FISMO``, and
+#: three of the check's own (`RUN_KEYS`): ``"training": True`` builds ``FISMO.training`` instead;
+#: ``"eager_steps": k`` steps the compiled optimizer eagerly k times before its first compiled call
+#: (as after a resumed checkpoint: dynamo then finds existing states, and moves their step counts to
+#: the GPU before the adapter puts them back on the CPU); ``"steps": n`` compares after n steps
+#: instead of `COMPARED_STEPS` (the training configuration recomputes its roots at step 11, a replay).
 CONFIGS: dict[str, dict] = {
     "propagate": {"nonfinite": "propagate"},
     "propagate, Newton–Schulz roots": {"nonfinite": "propagate", "inv_root": "newton_schulz"},
+    "training, propagate": {"training": True, "nonfinite": "propagate", "steps": 12},
+    "propagate, compiled after 2 eager steps": {"nonfinite": "propagate", "eager_steps": 2, "steps": 7},
 }
+RUN_KEYS = ("training", "eager_steps", "steps")
+
+
+def build_fismo(params: list, config: str) -> Any:
+    """``FISMO`` (or ``FISMO.training``) over ``params`` with ``CONFIGS[config]``'s keyword arguments."""
+    from fismo_core.backends.torch import FISMO
+
+    options = {k: v for k, v in CONFIGS[config].items() if k not in RUN_KEYS}
+    return (FISMO.training if CONFIGS[config].get("training") else FISMO)(params, **options)
 
 
 def placed(params: list, device: Any, dtype: Any) -> list:
@@ -399,6 +415,8 @@ class CompiledStepCheck:
     host_reads_eager_step: Optional[int] = None
     aten_ops_eager_step: Optional[int] = None
     eigh_calls_eager_step: Optional[int] = None
+    #: the devices of the compiled optimizer's step counts after its steps (they belong on the CPU)
+    step_count_devices: list[str] = field(default_factory=list)
     #: relative Frobenius difference of W_t - W_0, compiled against eager, worst matrix, after COMPARED_STEPS
     max_rel_diff: Optional[float] = None
     #: the bar of ``max_rel_diff``; ``None``: reported, not judged (bfloat16 parameters)
@@ -413,7 +431,7 @@ class CompiledStepCheck:
             parts.append(f"compile failed: {self.errors['FISMO compiled']}")
         else:
             parts.append(f"{self.graphs_first_step} graphs, {self.graph_breaks} breaks, "
-                         f"{self.recompiles_after_first_step} recompiles after step 1, "
+                         f"{self.recompiles_after_first_step} recompiles after the first compiled step, "
                          f"{self.cudagraph_skips} CUDA-graph skips")
         parts.append(f"{self.host_reads_eager_step} host reads per eager step")
         if self.max_rel_diff is not None:
@@ -443,14 +461,13 @@ def check_compiled_step(
     gradients; the gradients stay fixed) on ``device`` in ``dtype`` ("float32" or "bfloat16"),
     and check it against the eager step and time both against ``torch.optim.Muon``'s.
 
-    A problem (a graph break, a recompile after the first step, a CUDA-graph skip under
-    ``reduce-overhead`` on CUDA, a host read in the eager step, a float32 difference above
-    ``fismo_core.testing.TOLERANCES["float32"]``) is listed in ``problems``; a compile that raises
-    is in ``errors`` (a problem for FISMO, only reported for Muon).
+    A problem (a graph break, a recompile after the first compiled step, a CUDA-graph skip under
+    ``reduce-overhead`` on CUDA, a host read in the eager step, a step count off the CPU, a float32
+    difference above ``fismo_core.testing.TOLERANCES["float32"]``) is listed in ``problems``; a
+    compile that raises is in ``errors`` (a problem for FISMO, only reported for Muon).
     """
     import torch
 
-    from fismo_core.backends.torch import FISMO
     from fismo_core.testing import TOLERANCES, full_float32_matmuls, max_relative_error
 
     bench = _benchmarks()
@@ -489,13 +506,18 @@ def check_compiled_step(
 
         eager_params, compiled_params = placed(params, device, torch_dtype), placed(params, device, torch_dtype)
         start = [p.detach().double() for p in eager_params]  # float64: W_t - W_0 without rounding
-        eager = FISMO(eager_params, **CONFIGS[config])
-        compiled_opt = FISMO(compiled_params, **CONFIGS[config])
+        eager, compiled_opt = build_fismo(eager_params, config), build_fismo(compiled_params, config)
+        eager_steps, steps = CONFIGS[config].get("eager_steps", 0), CONFIGS[config].get("steps", COMPARED_STEPS)
         compiled = torch.compile(compiled_opt.step, **options)
         before = dynamo_totals()
-        say(f"{model}, {dtype}, FISMO({config}): compiling and stepping {COMPARED_STEPS} times")
-        for step in range(1, COMPARED_STEPS + 1):
+        say(f"{model}, {dtype}, FISMO({config}): {eager_steps} eager steps, then compiling and stepping "
+            f"{steps - eager_steps} times")
+        for step in range(1, steps + 1):
             eager.step()
+            if step <= eager_steps:
+                compiled_opt.step()
+                before = dynamo_totals()
+                continue
             if compiled is None:
                 continue
             try:
@@ -504,8 +526,9 @@ def check_compiled_step(
                 result.errors["FISMO compiled"] = f"{type(exc).__name__}: {first_line(exc)}"
                 result.problems.append(f"torch.compile(opt.step, {options}) raised {result.errors['FISMO compiled']}")
                 compiled = None
-            if step == 1:
+            if step == eager_steps + 1:
                 after_first = dynamo_totals()
+        result.step_count_devices = sorted({str(s["step"].device) for s in compiled_opt.state.values() if "step" in s})
         if compiled is not None:
             result.graphs_first_step = after_first["graphs"] - before["graphs"]
             result.max_rel_diff = max(
@@ -514,7 +537,10 @@ def check_compiled_step(
             )
         with bench.bench_overhead.OpCounter() as counter:
             eager.step()
-        result.host_reads_eager_step = len(counter.host_reads)
+        # On a GPU, a read of a CPU tensor (the step counts the training configuration reads eagerly to
+        # decide whether roots are due) does not wait for the device: only reads of the device's count.
+        device_reads = [r for r in counter.host_reads if not cuda or not r.device.startswith("cpu")]
+        result.host_reads_eager_step = len(device_reads)
         result.aten_ops_eager_step = counter.total
         result.eigh_calls_eager_step = counter.syncing_linalg
 
@@ -538,8 +564,10 @@ def check_compiled_step(
     if cuda and options.get("mode") == "reduce-overhead" and result.cudagraph_skips:
         reasons = "; ".join(result.cudagraph_skip_reasons) or "no reason logged"
         result.problems.append(f"CUDA graphs skipped {result.cudagraph_skips} times ({reasons})")
+    if result.step_count_devices != ["cpu"]:
+        result.problems.append(f"step counts on {', '.join(result.step_count_devices) or 'no device'}, not the CPU")
     if result.host_reads_eager_step:
-        sites = sorted({read.site for read in counter.host_reads})
+        sites = sorted({read.site for read in device_reads})
         result.problems.append(f"{result.host_reads_eager_step} host reads in an eager step ({', '.join(sites)})")
     if result.max_rel_diff is not None and result.tolerance is not None and not result.max_rel_diff <= result.tolerance:
         result.problems.append(f"compiled differs from eager by {result.max_rel_diff:.2e} > {result.tolerance:.0e}")
