@@ -222,12 +222,14 @@ def test_compiled_step_check_on_cpu(single_threaded_torch):
 
 
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
-@pytest.mark.parametrize("config", ["training, propagate", "propagate, compiled after 2 eager steps"])
+@pytest.mark.parametrize("config", ["training, propagate", "propagate, compiled after 2 eager steps",
+                                    "propagate, AdamW biases"])
 def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps(single_threaded_torch, config):
     """Stage 3's other configurations, as above on the CPU: ``FISMO.training`` (its roots recomputed at
     step 11, inside the one graph), and a compile that finds the states of two eager steps (one graph,
-    and every step count still on the CPU). The training configuration's eager step reads its 8 step
-    counts to decide whether roots are due: CPU tensors, which on a GPU the check does not count (they
+    and every step count still on the CPU), and AdamW groups beside the matrices. The training
+    configuration's eager step reads its 8 step counts to decide whether roots are due, and AdamW the
+    8 of its biases (``torch.optim.adamw``): CPU tensors, which on a GPU the check does not count (they
     do not wait for the device); on the CPU they are the one problem reported."""
     pytest.importorskip("torch._dynamo")
     params = gpu_checks.MODELS["tiny-gpt"]()
@@ -235,8 +237,9 @@ def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps
         params, model="tiny-gpt", dtype="float32", config=config, device="cpu",
         compile_options={"backend": "eager", "fullgraph": True}, repeats=1,
     )
-    step_count_reads = [p for p in check.problems if p.startswith("8 host reads") and "_fismo_compute" in p]
-    expected = 1 if config.startswith("training") else 0
+    site = {"training, propagate": "_fismo_compute", "propagate, AdamW biases": "adamw_group_step"}.get(config)
+    step_count_reads = [p for p in check.problems if site and p.startswith("8 host reads") and f"{site})" in p]
+    expected = 1 if site else 0
     assert len(step_count_reads) == expected and check.problems == step_count_reads and check.errors == {}
     assert (check.graphs_first_step, check.graph_breaks, check.recompiles_after_first_step) == (1, 0, 0)
     assert check.step_count_devices == ["cpu"] and check.max_rel_diff == 0.0

@@ -337,22 +337,35 @@ MODELS: dict[str, Callable[[], list]] = {
 #: ``"eager_steps": k`` steps the compiled optimizer eagerly k times before its first compiled call
 #: (as after a resumed checkpoint: dynamo then finds existing states, and moves their step counts to
 #: the GPU before the adapter puts them back on the CPU); ``"steps": n`` compares after n steps
-#: instead of `COMPARED_STEPS` (the training configuration recomputes its roots at step 11, a replay).
+#: instead of `COMPARED_STEPS` (the training configuration recomputes its roots at step 11, a replay);
+#: ``"adamw_biases": True`` adds a bias per matrix, in an ``"adamw"`` group (their step counts are
+#: CPU tensors, as ``torch.optim.AdamW``'s with ``capturable=False``: do CUDA graphs still hold?).
 CONFIGS: dict[str, dict] = {
     "propagate": {"nonfinite": "propagate"},
     "propagate, Newton–Schulz roots": {"nonfinite": "propagate", "inv_root": "newton_schulz"},
     "training, propagate": {"training": True, "nonfinite": "propagate", "steps": 12},
     "propagate, compiled after 2 eager steps": {"nonfinite": "propagate", "eager_steps": 2, "steps": 7},
+    "propagate, AdamW biases": {"nonfinite": "propagate", "adamw_biases": True},
 }
-RUN_KEYS = ("training", "eager_steps", "steps")
+RUN_KEYS = ("training", "eager_steps", "steps", "adamw_biases")
 
 
 def build_fismo(params: list, config: str) -> Any:
-    """``FISMO`` (or ``FISMO.training``) over ``params`` with ``CONFIGS[config]``'s keyword arguments."""
+    """``FISMO`` (or ``FISMO.training``) over ``params`` with ``CONFIGS[config]``'s keyword arguments,
+    and with ``"adamw_biases"`` a bias of each matrix's rows (gradient: its gradient's row means, fixed)
+    in an ``"adamw"`` group."""
+    import torch
+
     from fismo_core.backends.torch import FISMO
 
     options = {k: v for k, v in CONFIGS[config].items() if k not in RUN_KEYS}
-    return (FISMO.training if CONFIGS[config].get("training") else FISMO)(params, **options)
+    groups: Any = params
+    if CONFIGS[config].get("adamw_biases"):
+        biases = [torch.nn.Parameter(torch.zeros(p.shape[0], device=p.device, dtype=p.dtype)) for p in params]
+        for bias, p in zip(biases, params):
+            bias.grad = p.grad.mean(dim=1)
+        groups = [{"params": params}, {"params": biases, "algorithm": "adamw"}]
+    return (FISMO.training if CONFIGS[config].get("training") else FISMO)(groups, **options)
 
 
 def placed(params: list, device: Any, dtype: Any) -> list:
