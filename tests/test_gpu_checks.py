@@ -247,6 +247,17 @@ def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps
     assert training.param_groups[0]["inv_root"]["every"] == 10 < gpu_checks.CONFIGS["training, propagate"]["steps"]
 
 
+def test_the_compile_stage_plan_fits_a_short_loan():
+    """``--quick``: the tiny GPT under ``propagate`` and the training configuration; in full every
+    configuration on the tiny GPT and only the size-dependent ones on GPT-2 small (each check
+    compiles anew)."""
+    assert gpu_checks.compile_plan(True) == [("tiny-gpt", "propagate"), ("tiny-gpt", "training, propagate")]
+    full = gpu_checks.compile_plan(False)
+    assert [c for m, c in full if m == "tiny-gpt"] == list(gpu_checks.CONFIGS)
+    assert [c for m, c in full if m == "gpt2-small"] == list(gpu_checks.LARGE_MODEL_CONFIGS)
+    assert len(full) == len(gpu_checks.CONFIGS) + len(gpu_checks.LARGE_MODEL_CONFIGS)
+
+
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
 def test_compiled_step_check_reports_host_reads_and_a_compile_that_fails(single_threaded_torch, monkeypatch):
     """The default configuration reads the device (its finiteness and root checks): under
