@@ -247,6 +247,22 @@ def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps
     assert training.param_groups[0]["inv_root"]["every"] == 10 < gpu_checks.CONFIGS["training, propagate"]["steps"]
 
 
+@pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
+def test_compiled_step_check_with_inductor_lite_on_cpu(single_threaded_torch):
+    """The lite configuration as the stage builds it (inductor's lite mode, CUDA graphs asked for, which a
+    CPU graph skips without it being a problem there): one graph, and on the tiny GPT the compiled
+    parameters equal the eager ones bit for bit, as ATen's kernels run on both sides."""
+    pytest.importorskip("torch._dynamo")
+    params = gpu_checks.MODELS["tiny-gpt"]()
+    check = gpu_checks.check_compiled_step(
+        params, model="tiny-gpt", dtype="float32", config="propagate, inductor lite with CUDA graphs",
+        device="cpu", repeats=1,
+    )
+    assert check.problems == [] and check.errors == {}
+    assert (check.graphs_first_step, check.graph_breaks, check.recompiles_after_first_step) == (1, 0, 0)
+    assert check.max_rel_diff == 0.0
+
+
 def test_the_compile_stage_plan_fits_a_short_loan():
     """``--quick``: the tiny GPT under ``propagate`` and the training configuration; in full every
     configuration on the tiny GPT and only the size-dependent ones on GPT-2 small (each check

@@ -128,6 +128,25 @@ def test_fullgraph_one_graph_and_the_eager_numbers(config):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("config", ["defaults", "roots every 3, blocks"])
+def test_inductor_lite_mode_equals_eager_bit_for_bit(config):
+    """``mode="lite"``: inductor with every op falling back to its ATen kernel (``fallback_by_default``) and
+    no graph passes. Unlike inductor's default mode (its own C++ kernels: 29 eps in float64,
+    ``tests/test_compile_core.py``), it equals the eager step bit for bit in float64, a root refresh in
+    the ``torch.cond`` included. (It is slower than eager on a CPU: docs/torch.md, "The eager numbers".)"""
+    options = {"lr": 0.02, **CONFIGS[config]}
+    model = _matrices_only()
+    twin = copy.deepcopy(model)
+    batches = _batches(model, STEPS)
+    opt, eager_opt = (FISMO(m.parameters(), nonfinite="propagate", **copy.deepcopy(options)) for m in (model, twin))
+    compiled = torch.compile(opt.step, mode="lite", fullgraph=True)
+    _run(model, opt, batches, compiled)
+    _run(twin, eager_opt, batches, eager_opt.step)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
 def _assert_eager_numbers(model, twin) -> None:
     """A model with AdamW groups: as close to eager as compiled ``torch.optim.AdamW`` itself.
 

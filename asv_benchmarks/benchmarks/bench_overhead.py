@@ -383,12 +383,13 @@ class CompiledStep:
     error: str = ""
 
 
-def compile_step(opt: Any) -> CompiledStep:
-    """Compile ``opt.step`` with inductor and run it 13 times; reports, never raises, on a failure."""
+def compile_step(opt: Any, mode: Optional[str] = None) -> CompiledStep:
+    """Compile ``opt.step`` with inductor (``torch.compile``'s ``mode``) and run it 13 times; reports, never
+    raises, on a failure."""
     from torch._dynamo.utils import counters
 
     before, reasons_before = _dynamo_totals(), Counter(counters["graph_break"])
-    step = torch.compile(opt.step)
+    step = torch.compile(opt.step, mode=mode)
     try:
         start = time.perf_counter()
         step()
@@ -417,8 +418,9 @@ def small_gpt_optimizer(config: str, seed: int = 0):
     return make_optimizer(config, small_gpt_matrices(seed), configs=configs)
 
 
-def small_gpt_times(configs: list[str], *, compiled: bool, repeats: int) -> tuple[dict, dict]:
-    """Median seconds of ``opt.step`` on the small GPT for Muon and ``configs``, eager (and compiled), interleaved.
+def small_gpt_times(configs: list[str], *, compiled: bool, repeats: int, mode: Optional[str] = None) -> tuple[dict, dict]:
+    """Median seconds of ``opt.step`` on the small GPT for Muon and ``configs``, eager (and compiled with
+    ``torch.compile``'s ``mode``), interleaved.
 
     Returns the medians by name (``"<config>"``, ``"<config> compiled"``) and the `CompiledStep`
     of each compiled configuration. Each optimizer steps its own parameters, gradients fixed.
@@ -432,7 +434,7 @@ def small_gpt_times(configs: list[str], *, compiled: bool, repeats: int) -> tupl
         fns[name] = opt.step
     if compiled:
         for name in names:
-            result = compile_step(small_gpt_optimizer(name))
+            result = compile_step(small_gpt_optimizer(name), mode)
             compiled_steps[name] = result
             if result.step is not None:
                 fns[f"{name} compiled"] = result.step

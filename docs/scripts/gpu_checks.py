@@ -341,15 +341,18 @@ MODELS: dict[str, Callable[[], list]] = {
 #: the GPU before the adapter puts them back on the CPU); ``"steps": n`` compares after n steps
 #: instead of `COMPARED_STEPS` (the training configuration recomputes its roots at step 11, a replay);
 #: ``"adamw_biases": True`` adds a bias per matrix, in an ``"adamw"`` group (their step counts are
-#: CPU tensors, as ``torch.optim.AdamW``'s with ``capturable=False``: do CUDA graphs still hold?).
+#: CPU tensors, as ``torch.optim.AdamW``'s with ``capturable=False``: do CUDA graphs still hold?);
+#: ``"lite": True`` compiles with inductor's lite mode (ATen kernels, bit for bit eager on a CPU) and
+#: CUDA graphs instead of ``mode="reduce-overhead"``.
 CONFIGS: dict[str, dict] = {
     "propagate": {"nonfinite": "propagate"},
     "propagate, Newton–Schulz roots": {"nonfinite": "propagate", "inv_root": "newton_schulz"},
     "training, propagate": {"training": True, "nonfinite": "propagate", "steps": 12},
     "propagate, compiled after 2 eager steps": {"nonfinite": "propagate", "eager_steps": 2, "steps": 7},
     "propagate, AdamW biases": {"nonfinite": "propagate", "adamw_biases": True},
+    "propagate, inductor lite with CUDA graphs": {"nonfinite": "propagate", "lite": True},
 }
-RUN_KEYS = ("training", "eager_steps", "steps", "adamw_biases")
+RUN_KEYS = ("training", "eager_steps", "steps", "adamw_biases", "lite")
 #: Stage 3's configurations with ``--quick`` (on the tiny GPT only).
 QUICK_CONFIGS = ("propagate", "training, propagate")
 #: The configurations stage 3 also runs on GPT-2 small's matrices (the others ask questions the size
@@ -492,6 +495,10 @@ def check_compiled_step(
 
     bench = _benchmarks()
     options = {"mode": "reduce-overhead", "fullgraph": True} if compile_options is None else compile_options
+    if compile_options is None and CONFIGS[config].get("lite"):
+        # Inductor's lite mode (every op its ATen kernel: bit for bit eager on a CPU) with CUDA graphs.
+        options = {"fullgraph": True, "options": {**torch._inductor.list_mode_options("lite"), "triton.cudagraphs": True}}
+    graphed = options.get("mode") == "reduce-overhead" or options.get("options", {}).get("triton.cudagraphs", False)
     say = log.say if log is not None else (lambda text: None)
     torch_dtype = getattr(torch, dtype)
     result = CompiledStepCheck(model, dtype, config, tolerance=TOLERANCES["float32"] if dtype == "float32" else None)
@@ -581,7 +588,7 @@ def check_compiled_step(
         result.problems.append(f"{result.graph_breaks} graph breaks")
     if result.recompiles_after_first_step:
         result.problems.append(f"{result.recompiles_after_first_step} graphs compiled after the first step")
-    if cuda and options.get("mode") == "reduce-overhead" and result.cudagraph_skips:
+    if cuda and graphed and result.cudagraph_skips:
         reasons = "; ".join(result.cudagraph_skip_reasons) or "no reason logged"
         result.problems.append(f"CUDA graphs skipped {result.cudagraph_skips} times ({reasons})")
     if result.step_count_devices != ["cpu"]:

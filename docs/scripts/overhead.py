@@ -250,9 +250,9 @@ def counts_section(
         print()
 
 
-def gpt_section(configs: list[str], compiled: bool, repeats: int) -> None:
+def gpt_section(configs: list[str], compiled: bool, repeats: int, mode: Optional[str] = None) -> None:
     print(f"## opt.step on the small GPT (8 matrices, 64 to 256; CPU, {torch.get_num_threads()} threads, "
-          f"medians of {repeats} interleaved repeats)\n")
+          f"medians of {repeats} interleaved repeats; torch.compile mode {mode or 'default'})\n")
     ops = {}
     for name in ["muon", *configs]:
         opt = small_gpt_optimizer(name)
@@ -260,7 +260,7 @@ def gpt_section(configs: list[str], compiled: bool, repeats: int) -> None:
         with OpCounter() as counter:
             opt.step()
         ops[name] = counter
-    medians, compiled_steps = small_gpt_times(configs, compiled=compiled, repeats=repeats)
+    medians, compiled_steps = small_gpt_times(configs, compiled=compiled, repeats=repeats, mode=mode)
     muon_eager, muon_compiled = medians["muon"], medians.get("muon compiled")
     rows = []
     for name in ["muon", *configs]:
@@ -357,6 +357,8 @@ def main() -> None:
     parser.add_argument("--verify-scale", type=int, default=None,
                         help="count again with sides divided by this (1: GPT-2's full size) and compare")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--compile-mode", default=None, choices=["default", "lite"],
+                        help="torch.compile's mode for the small GPT ('lite': inductor calls ATen for every op)")
     parser.add_argument("--training-step", action="store_true",
                         help="only the whole training step of the text GPT, FISMO.training against Muon (4.)")
     args = parser.parse_args()
@@ -370,7 +372,7 @@ def main() -> None:
     os.chdir(ROOT)  # call sites relative to the repository
     counts_section(configs, args.scale, args.layers, breakdown, args.top, args.verify_scale)
     if not args.no_gpt:
-        gpt_section(args.gpt_configs, not args.no_compile, args.repeats)
+        gpt_section(args.gpt_configs, not args.no_compile, args.repeats, args.compile_mode)
         profile_section(args.gpt_configs)
 
 
