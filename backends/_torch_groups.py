@@ -291,10 +291,15 @@ def drop_fismo_keys(group: dict) -> None:
 
 
 # ---------------------------------------------------------------- the AdamW route
+#: Where every parameter's step count lives, FISMO's and its AdamW groups' (as ``torch.optim.AdamW``'s with
+#: ``capturable=False``), whatever the parameter's device: reading it never waits for a GPU.
+STEP_COUNT_DEVICE = torch.device("cpu")
+
+
 def init_adamw_state(s: dict, p: torch.Tensor, group: dict) -> None:
     """Fill the empty state ``s`` of parameter ``p`` of an ``"adamw"`` group as ``torch.optim.AdamW``
     (``capturable=False``, ``fused=False``) does."""
-    s["step"] = torch.tensor(0.0, dtype=scalar_dtype())
+    s["step"] = torch.zeros((), dtype=scalar_dtype(), device=STEP_COUNT_DEVICE)
     s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     if group["amsgrad"]:

@@ -32,7 +32,7 @@ from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
 from ._torch_distributed import Placement, full_tensor, is_dtensor, local_device, local_tensor, shard_group
-from ._torch_groups import CORE_DEFAULTS, param_name
+from ._torch_groups import CORE_DEFAULTS, STEP_COUNT_DEVICE, param_name
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
 #: blocks (``block_size``) keeps its full blocks ``(k, B, B)`` under these names and its
@@ -48,6 +48,11 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return _core_state_dtype(torch, dtype)
 
 
+def new_step_count() -> torch.Tensor:
+    """A FISMO matrix's step count at 0: a float32 0-d tensor on `STEP_COUNT_DEVICE`, as ``torch.optim``'s."""
+    return torch.zeros((), dtype=torch.float32, device=STEP_COUNT_DEVICE)
+
+
 def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype, name: str = "W") -> dict:
     """Fill an empty ``state`` from ``core.init`` for a matrix of ``G``'s shape and parameter dtype ``dtype``.
 
@@ -56,7 +61,7 @@ def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: tor
     """
     if not state:
         init = core.init(torch.empty(G.shape, dtype=dtype, device=G.device), name=name)
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = new_step_count()
         left, right = core.structures(*G.shape[-2:])
         # The core returns the roots as arrays of their own, so in-place updates never alias P.
         for field in STATE_KEYS:

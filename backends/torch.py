@@ -46,6 +46,7 @@ from . import _torch_distributed as _dist
 from ._torch_groups import (
     ADAMW_DEFAULTS,
     CORE_DEFAULTS,
+    STEP_COUNT_DEVICE,
     adamw_group_step,
     adjusted_lr,
     core_key,
@@ -67,6 +68,7 @@ from ._torch_state import (
     exported_state,
     full_saved_state,
     init_matrix_state,
+    new_step_count,
     pack,
     raise_nonfinite,
     restore_saved_state,
@@ -79,9 +81,6 @@ __all__ = [
 ]
 
 _CORE_DEFAULTS = CORE_DEFAULTS
-#: Where every parameter's step count lives, FISMO's and its AdamW groups' (as ``torch.optim.AdamW``'s with
-#: ``capturable=False``), whatever the parameter's device: reading it never waits for a GPU.
-STEP_COUNT_DEVICE = torch.device("cpu")
 #: Keywords of torch's other optimizers that belong to the AdamW groups here.
 _ADAMW_KEYWORD = (
     "a key of the AdamW groups (biases, norms, embeddings, the head): "
@@ -545,7 +544,7 @@ class FISMO(Optimizer):
                 dev = _dist.local_device(p)
                 self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=dev))["skipped"] += 1
             else:
-                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                self.state[p].setdefault("step", new_step_count())
         directions = {}
         for call in plan.calls:
             m, n = call.G.shape[-2:]
@@ -554,7 +553,7 @@ class FISMO(Optimizer):
             directions.update(zip(call.params, call.result.direction.unbind(0)))
         for p, placement in plan.stepping:  # every rank counts the steps of every matrix (checkpoints need it)
             if not placement.owns:
-                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                self.state[p].setdefault("step", new_step_count())
                 self.state[p]["step"] += 1
 
         # 3. Apply: line 9, W <- (1 - lr * weight_decay) W - lr' * dW, on each rank's data, then synchronise.

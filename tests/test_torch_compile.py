@@ -23,6 +23,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from fismo_core.backends.torch import FISMO, param_groups  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "asv_benchmarks"))  # the Performance page's OpCounter
+
 STEPS = 4
 
 
@@ -407,7 +409,6 @@ def test_host_reads_per_step(nonfinite, limit):
     biases and BatchNorm are AdamW groups: their only reads are ``torch.optim.adamw``'s of its step counts,
     one per AdamW parameter, as ``torch.optim.AdamW`` (``capturable=False``) reads them; those counts are
     CPU tensors wherever the parameters are (next test), so on a GPU those reads do not wait for it."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "asv_benchmarks"))
     from benchmarks.bench_overhead import OpCounter
 
     model = _mlp()
