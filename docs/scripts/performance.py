@@ -530,7 +530,6 @@ TRAINING_DEVIATIONS = {
 
 def training_directions(stream: list, dtype, **overrides) -> list:
     """``FISMO.training(**overrides)``'s direction ``dW_t`` along a gradient stream, in torch ``dtype``."""
-    import numpy as np
     import torch
 
     opt = FISMO.training(**overrides)
