@@ -196,6 +196,14 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
 
 def validate_adamw_hparams(group: dict, where: str) -> None:
     """Check an AdamW group's hyperparameters as ``torch.optim.AdamW`` does."""
+    if isinstance(group["lr"], torch.Tensor):  # torch.optim.AdamW's checks; its step would raise them too late
+        if group["foreach"]:
+            raise ValueError(
+                f"{where}: a tensor AdamW lr needs foreach=False or None (AdamW groups step as "
+                "torch.optim.AdamW with capturable=False, which refuses a tensor lr with foreach=True)"
+            )
+        if group["lr"].numel() != 1:
+            raise ValueError(f"{where}: a tensor AdamW lr must have one element, got shape {tuple(group['lr'].shape)}")
     lr = scalar(group["lr"])
     if not 0.0 <= lr:
         raise ValueError(f"{where}: invalid AdamW lr {group['lr']!r}")
@@ -210,7 +218,7 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
 
 
 def validate_matrix_param(p: Any, name: str) -> None:
-    """A tensor of a FISMO group: real floating, at least 2 dimensions."""
+    """A tensor of a FISMO group: real floating, at least 2 dimensions, not empty."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name}: optimizer can only optimize Tensors, got {type(p).__name__}")
     if p.ndim < 2:
@@ -227,6 +235,11 @@ def validate_matrix_param(p: Any, name: str) -> None:
         raise TypeError(f"{name} is complex ({p.dtype}); FISMO supports real matrices only (AdamW groups take complex)")
     if not p.is_floating_point():
         raise TypeError(f"{name} has dtype {p.dtype}; FISMO needs floating-point parameters")
+    if p.numel() == 0:
+        raise ValueError(
+            f"{name} has shape {tuple(p.shape)}, with no entries: FISMO steps non-empty matrices only "
+            "(leave it out, or put it in an AdamW group)"
+        )
 
 
 # ---------------------------------------------------------------- routing
@@ -256,6 +269,13 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
         if wrong:
             raise ValueError(
                 f"{where} is an 'adamw' group but sets FISMO's {wrong}; AdamW takes {list(ADAMW_DEFAULTS)}"
+            )
+        unsupported = {k: group[k] for k in ("fused", "capturable", "differentiable") if group.get(k)}
+        if unsupported:  # torch.optim.AdamW's keys that these groups would keep and not honour
+            raise ValueError(
+                f"{where} is an 'adamw' group with {unsupported}: AdamW groups step as torch.optim.AdamW with "
+                "fused=False, capturable=False, differentiable=False (foreach is honoured); for a fused or "
+                "capturable AdamW, give those parameters their own torch.optim.AdamW"
             )
         for key, value in ADAMW_DEFAULTS.items():
             group.setdefault(key, value)

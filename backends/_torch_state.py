@@ -32,7 +32,7 @@ from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
 from ._torch_distributed import Placement, full_tensor, is_dtensor, local_device, local_tensor, shard_group
-from ._torch_groups import CORE_DEFAULTS, STEP_COUNT_DEVICE, param_name
+from ._torch_groups import CORE_DEFAULTS, STEP_COUNT_DEVICE, param_name, scalar_dtype
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
 #: blocks (``block_size``) keeps its full blocks ``(k, B, B)`` under these names and its
@@ -51,6 +51,27 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 def new_step_count() -> torch.Tensor:
     """A FISMO matrix's step count at 0: a float32 0-d tensor on `STEP_COUNT_DEVICE`, as ``torch.optim``'s."""
     return torch.zeros((), dtype=torch.float32, device=STEP_COUNT_DEVICE)
+
+
+def complete_loaded_state(state: dict, param_groups: list) -> None:
+    """What ``__setstate__`` completes in a loaded optimizer, as ``torch.optim``'s optimizers do.
+
+    A group saved before AdamW groups existed gets ``"algorithm": "fismo"``,
+    a FISMO group saved before ``adjust_lr_fn`` existed gets ``None`` (no
+    adjustment, what it did then), and a step count saved as a number
+    (``FISMOState.to_dict``, an older checkpoint) becomes a 0-d tensor on
+    `STEP_COUNT_DEVICE` (float32 for FISMO; AdamW's dtype for AdamW groups),
+    which the step increments in place.
+    """
+    for group in param_groups:
+        algorithm = group.setdefault("algorithm", "fismo")
+        if algorithm == "fismo":
+            group.setdefault("adjust_lr_fn", None)
+        dtype = torch.float32 if algorithm == "fismo" else scalar_dtype()
+        for p in group["params"]:
+            step = state.get(p, {}).get("step")
+            if step is not None and not isinstance(step, torch.Tensor):
+                state[p]["step"] = torch.tensor(float(step), dtype=dtype, device=STEP_COUNT_DEVICE)
 
 
 def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype, name: str = "W") -> dict:
@@ -135,13 +156,16 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
     ):
         return  # Optimizer.load_state_dict raises its own error for these
     for gi, (saved_group, group) in enumerate(zip(saved_groups, param_groups)):
-        if group.get("algorithm", "fismo") != "fismo":
-            continue
-        if saved_group.get("algorithm", "fismo") != "fismo":
+        # A group saved before AdamW groups existed has no "algorithm"; FISMO's groups always had "beta".
+        algorithm, saved_algorithm = group["algorithm"], saved_group.get("algorithm", "fismo" if "beta" in saved_group else None)
+        if saved_algorithm != algorithm:  # the base class would take the checkpoint's, and its state
+            said = "no algorithm (not saved by FISMO)" if saved_algorithm is None else repr(saved_algorithm)
             raise ValueError(
-                f"param group {gi} is a FISMO group, but the checkpoint's group {gi} is an "
-                f"{saved_group['algorithm']!r} group (were the groups saved in another order?)"
+                f"param group {gi} has algorithm {algorithm!r}, but the checkpoint's group {gi} has {said}: "
+                "were the groups saved in another order, or by another optimizer?"
             )
+        if algorithm != "fismo":
+            continue
         block_size, saved_block_size = group.get("block_size"), saved_group.get("block_size")
         if saved_block_size != block_size:
             raise ValueError(

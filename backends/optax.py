@@ -59,7 +59,7 @@ from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
-from fismo_core.guards import foreign_keywords
+from fismo_core.guards import check_matrix, foreign_keywords
 from fismo_core.kronecker import Blocks
 from fismo_core import linalg
 from fismo_core.linalg import MUON_COEFFICIENTS
@@ -387,6 +387,7 @@ def scale_by_fismo(
         states = []
         for path, p in leaves:
             name = f"leaf {jax.tree_util.keystr(path)} (shape {tuple(p.shape)})"
+            check_matrix(p, name)  # before matrix_shape, whose errors could not name the leaf
             mesh = _mesh(p)
             if mesh is not None:
                 # The leaf's layout: in the type on Explicit axes; on Auto axes only a concrete array has it.
@@ -660,6 +661,7 @@ def _fismo_transformation(
     ``None``: no scaling.
     """
     weight_decay = FISMO(weight_decay=weight_decay).weight_decay  # the core's check (a finite number >= 0)
+    _check_learning_rate(learning_rate)
 
     def labels(tree: Any) -> Any:
         mask = matrix_mask(tree) if callable(matrix_mask) else matrix_mask
@@ -698,6 +700,20 @@ def _fismo_transformation(
     matrix_tx.append(_line_9(learning_rate, weight_decay, matrix_shape, step_scale))
     transforms = {"fismo": optax.chain(*matrix_tx), "non_matrix": other if other is not None else optax.identity()}
     return _scalars_on_the_mesh(optax.partition(transforms, labels))
+
+
+def _check_learning_rate(learning_rate: Any) -> None:
+    """A schedule (any callable), or a finite number >= 0: a Python number or a 0-d array (unless traced)."""
+    if callable(learning_rate) or isinstance(learning_rate, jax.core.Tracer):
+        return
+    value = None
+    if not isinstance(learning_rate, (bool, str, bytes)) and np.ndim(learning_rate) == 0:
+        try:
+            value = float(learning_rate)
+        except (TypeError, ValueError):
+            pass
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ValueError(f"learning_rate must be a finite number >= 0 or a schedule, got {learning_rate!r}")
 
 
 def _scalars_on_the_mesh(tx: Any) -> Any:

@@ -65,6 +65,7 @@ from ._torch_state import (
     STATE_KEYS,
     check_grads,
     check_saved_state,
+    complete_loaded_state,
     exported_state,
     full_saved_state,
     init_matrix_state,
@@ -329,6 +330,11 @@ class FISMO(Optimizer):
             self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
         )
 
+    def __setstate__(self, state: dict) -> None:
+        """As ``Optimizer.__setstate__`` (unpickling, and the end of ``load_state_dict``), then `complete_loaded_state`."""
+        super().__setstate__(state)
+        complete_loaded_state(self.state, self.param_groups)
+
     def state_dict(self) -> dict:
         """As ``Optimizer.state_dict``; a distributed matrix's state is saved in a layout independent of its owner.
 
@@ -366,16 +372,22 @@ class FISMO(Optimizer):
             self._static_shapes()
         checks = check_grads(self.param_groups)
         placements = self._placements()
-        # Lines 4-8 of every FISMO group, nothing written yet: gather, and compute on the owners.
-        plans = {
-            id(group): self._fismo_compute(group, placements, checks.skip)
-            for group in self.param_groups
-            if group["algorithm"] == "fismo"
-        }
-        # The step's one host read: every gradient's finiteness ("raise") and every core call's root checks.
-        calls = [call for plan in plans.values() for call in plan.calls]
-        if _guards.read_faults(*checks.faults(), *(call.result.faults for call in calls)):
-            self._settle(checks, plans)
+        created: list[torch.Tensor] = []  # the parameters whose state this step creates
+        try:
+            # Lines 4-8 of every FISMO group, nothing written yet: gather, and compute on the owners.
+            plans = {
+                id(group): self._fismo_compute(group, placements, checks.skip, created)
+                for group in self.param_groups
+                if group["algorithm"] == "fismo"
+            }
+            # The step's one host read: every gradient's finiteness ("raise") and every core call's root checks.
+            calls = [call for plan in plans.values() for call in plan.calls]
+            if _guards.read_faults(*checks.faults(), *(call.result.faults for call in calls)):
+                self._settle(checks, plans)
+        except Exception:  # nothing was written: the optimizer stays as it was, without the new states
+            for p in created:
+                self.state.pop(p, None)
+            raise
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 adamw_group_step(self.state, group, checks.skip)
@@ -459,8 +471,13 @@ class FISMO(Optimizer):
         )
         return _dist.placements(fismo_params, self.process_group, _direction_cost)
 
-    def _fismo_compute(self, group: dict, placements: dict, skip: Union[set, frozenset]) -> "_GroupStep":
-        """Lines 4-8 for one group, nothing written: gather the gradients to their owners, and the owners' core calls."""
+    def _fismo_compute(
+        self, group: dict, placements: dict, skip: Union[set, frozenset], created: list
+    ) -> "_GroupStep":
+        """Lines 4-8 for one group, nothing written: gather the gradients to their owners, and the owners' core calls.
+
+        The initial states it creates are the only change; their parameters are appended to ``created``
+        first, so that the step can remove them again if it raises."""
         core = self._core_for(group)
         plan = _GroupStep(group, core)
         for p in group["params"]:
@@ -498,7 +515,7 @@ class FISMO(Optimizer):
                 refresh = core.inv_root.is_refresh_step(int(self.state[p].get("step", 0)))
             buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
         for (m, n, *_, refresh), bucket in buckets.items():
-            plan.created.extend(p for p, _ in bucket if not self.state.get(p))
+            created.extend(p for p, _ in bucket if not self.state.get(p))
             states = [self._matrix_state(core, p, G) for p, G in bucket]
             G_stack = bucket[0][1][None] if len(bucket) == 1 else torch.stack([G for _, G in bucket])
             stacked = pack(core, states, m, n)
@@ -515,26 +532,20 @@ class FISMO(Optimizer):
     def _settle(self, checks: Any, plans: dict) -> None:
         """A flag was set: raise for a non-finite gradient, or repair (or refuse) failed inverse roots.
 
-        Nothing has been written yet, so an error leaves every parameter and state as it was (the states
-        this step created are removed again).
+        Nothing has been written yet, so an error leaves every parameter and state as it was (`step`
+        removes the states it created).
         """
-        try:
-            raise_nonfinite(self.param_groups, checks)
-            for plan in plans.values():
-                for k, call in enumerate(plan.calls):
-                    if call.result.faults.roots is None:
-                        continue
-                    try:
-                        D, new = plan.core.settle(call.G, call.stacked, call.result, refresh_roots=call.refresh)
-                    except InverseRootError as exc:
-                        names = ", ".join(self._label(call.params[i]) for i in exc.indices)
-                        raise InverseRootError(f"{exc}. The failing parameters: {names}", exc.indices) from exc
-                    plan.calls[k] = call._replace(result=call.result._replace(direction=D, state=new))
-        except Exception:
-            for plan in plans.values():
-                for p in plan.created:
-                    self.state.pop(p, None)
-            raise
+        raise_nonfinite(self.param_groups, checks)
+        for plan in plans.values():
+            for k, call in enumerate(plan.calls):
+                if call.result.faults.roots is None:
+                    continue
+                try:
+                    D, new = plan.core.settle(call.G, call.stacked, call.result, refresh_roots=call.refresh)
+                except InverseRootError as exc:
+                    names = ", ".join(self._label(call.params[i]) for i in exc.indices)
+                    raise InverseRootError(f"{exc}. The failing parameters: {names}", exc.indices) from exc
+                plan.calls[k] = call._replace(result=call.result._replace(direction=D, state=new))
 
     def _fismo_apply(self, plan: "_GroupStep") -> None:
         """Write the group's new states, then line 9 on each rank's data and the placements' synchronisation."""
@@ -603,7 +614,6 @@ class _GroupStep:
     skipped: list = dataclasses.field(default_factory=list)  # (p, placement) skipped (nonfinite="skip")
     exchanges: dict = dataclasses.field(default_factory=dict)  # exchange key -> [(p, placement)]
     calls: list = dataclasses.field(default_factory=list)  # _CoreCall of the matrices this rank owns
-    created: list = dataclasses.field(default_factory=list)  # parameters whose state this step created
 
 
 def _direction_cost(p: torch.Tensor, block_size: Optional[int]) -> float:

@@ -712,11 +712,15 @@ class FISMO:
         when the factors would hold far more entries than ``W`` (a thin
         ``(1, 2000)`` matrix keeps a ``2000 x 2000`` ``Q``; the rule is
         [`check_factor_size`][fismo_core.guards.check_factor_size]'s);
-        ``name`` is how it names ``W`` (the adapters pass the parameter's name).
+        ``name`` is how it names ``W`` in this warning and in the errors for a
+        ``W`` that is not a real floating, non-empty stack of matrices (the
+        adapters pass the parameter's name).
         """
-        xp = guards.check_matrix(W, "W")
+        xp = guards.check_matrix(W, name)
         dtype = state_dtype(xp, W.dtype)
         *batch, m, n = W.shape
+        if math.prod(W.shape) == 0:  # lines 4-5 would reduce over nothing: no statistics, no step
+            raise ValueError(f"{name} has shape {tuple(W.shape)}, with no entries: FISMO steps non-empty matrices only")
         guards.check_factor_size(m, n, self.block_size, name)
         dev = device(W)
         left, right = self.structures(m, n)

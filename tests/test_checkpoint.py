@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import io
 import math
 
@@ -245,9 +247,19 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
         (lambda torch, saved, other: _edit(saved, 1, "skipped", torch.zeros(2)), ValueError,
          r"state\.skipped must be an integer array of shape \(\)"),
         (lambda torch, saved, other: {"state": saved["state"], "param_groups": saved["param_groups"][::-1]},
-         ValueError, r"param group 0 is a FISMO group, but the checkpoint's group 0 is an 'adamw' group"),
+         ValueError, r"param group 0 has algorithm .fismo., but the checkpoint.s group 0 has .adamw."),
+        # The AdamW group (group 1) saved as a FISMO group: the base class would take the checkpoint's
+        # algorithm and state, and the next step would run FISMO on the biases.
+        (lambda torch, saved, other: {"state": saved["state"], "param_groups": [
+            saved["param_groups"][0], {**saved["param_groups"][0], "params": saved["param_groups"][1]["params"]}]},
+         ValueError, r"param group 1 has algorithm 'adamw', but the checkpoint's group 1 has 'fismo'"),
+        # Another optimizer's group (torch.optim.AdamW's keys, no "algorithm").
+        (lambda torch, saved, other: {"state": saved["state"], "param_groups": [
+            saved["param_groups"][0], {k: v for k, v in saved["param_groups"][1].items() if k != "algorithm"}]},
+         ValueError, r"param group 1 has algorithm 'adamw', but the checkpoint's group 1 has no algorithm "
+                     r"\(not saved by FISMO\)"),
     ],
-    ids=["other-model", "missing-P", "integer-M", "counter", "groups-swapped"],
+    ids=["other-model", "missing-P", "integer-M", "counter", "groups-swapped", "adamw-saved-as-fismo", "not-fismos"],
 )
 def test_torch_checkpoint_that_does_not_fit_is_refused(make, exc, match) -> None:
     """A checkpoint for other shapes, with a missing or malformed tensor, or with the groups in
@@ -262,6 +274,52 @@ def test_torch_checkpoint_that_does_not_fit_is_refused(make, exc, match) -> None
     with pytest.raises(exc, match=match):
         opt.load_state_dict(make(torch, saved, other_opt.state_dict()))
     assert _same(torch, before, _snapshot(torch, opt))
+
+
+def test_torch_checkpoint_with_numbers_for_step_counts_resumes_bit_for_bit() -> None:
+    """Step counts saved as Python numbers (as ``FISMOState.to_dict`` and old checkpoints hold them), for
+    FISMO and AdamW parameters, load as tensors (``__setstate__``, as ``torch.optim``'s optimizers) and
+    the run goes on as the uninterrupted one, bit for bit: the step no longer fails after writing ``P``."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch)
+    _torch_train(torch, model, opt, [0, 1])
+    saved = copy.deepcopy(opt.state_dict())  # the AdamW states would be shared with opt's (torch.optim loads them so)
+    numbers = {"state": {i: {**s, "step": int(s["step"])} for i, s in saved["state"].items()},
+               "param_groups": saved["param_groups"]}
+    fresh, opt_f = _torch_setup(torch)
+    fresh.load_state_dict(model.state_dict())
+    opt_f.load_state_dict(numbers)
+    for p in fresh.parameters():
+        step = opt_f.state[p]["step"]
+        assert isinstance(step, torch.Tensor) and step.device.type == "cpu" and step.item() == 2
+    _torch_train(torch, model, opt, [3, 4])
+    _torch_train(torch, fresh, opt_f, [3, 4])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+
+
+def test_torch_checkpoint_from_before_adamw_groups_loads() -> None:
+    """A FISMO group saved before groups had an ``"algorithm"`` (or ``adjust_lr_fn``) loads as a FISMO
+    group without adjustment, and the run goes on as the uninterrupted one."""
+    torch = pytest.importorskip("torch")
+    from fismo_core.backends.torch import FISMO as TorchFISMO
+
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4, bias=False), torch.nn.Linear(4, 3, bias=False))
+        return model, TorchFISMO(model.parameters(), lr=0.05)
+
+    model, opt = setup()
+    _torch_train(torch, model, opt, [0, 1])
+    saved = copy.deepcopy(opt.state_dict())
+    old = {"state": saved["state"], "param_groups": [
+        {k: v for k, v in g.items() if k not in ("algorithm", "adjust_lr_fn")} for g in saved["param_groups"]]}
+    fresh, opt_f = setup()
+    fresh.load_state_dict(model.state_dict())
+    opt_f.load_state_dict(old)
+    assert opt_f.param_groups[0]["algorithm"] == "fismo" and opt_f.param_groups[0]["adjust_lr_fn"] is None
+    _torch_train(torch, model, opt, [3])
+    _torch_train(torch, fresh, opt_f, [3])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
 
 
 def test_torch_checkpoint_from_before_the_counters_loads() -> None:

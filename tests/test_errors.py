@@ -65,6 +65,14 @@ def _raises_and_untouched(call: Callable[[], Any], state: FISMOState, exc: type,
 BAD_DTYPES = ["int32", "int64", "uint8", "bool", "complex64", "complex128"]
 
 
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (2, 0, 3), (0, 4, 3)])
+def test_init_rejects_an_empty_W_naming_it(shape: tuple) -> None:
+    """An empty matrix has no statistics (lines 4-5 would reduce over nothing, a NumPy ValueError or a
+    torch IndexError deep in the step): ``init`` refuses it, by the name the adapters pass."""
+    with pytest.raises(ValueError, match=rf"layer\.weight has shape \({shape[0]}, .*with no entries"):
+        FISMO().init(np.ones(shape), name="layer.weight")
+
+
 @pytest.mark.parametrize("dtype", BAD_DTYPES)
 def test_init_rejects_non_real_floating_W(dtype: str) -> None:
     W = np.ones(SHAPE, dtype=dtype)

@@ -530,3 +530,36 @@ def test_optax_thin_leaf_warns_once_at_init_naming_it() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", FactorSizeWarning)
         fismo(0.02, block_size=256).init(params)
+
+
+def test_optax_bad_learning_rate_is_refused_when_built() -> None:
+    """``fismo`` and ``fismo_training`` refuse a negative, NaN, infinite, boolean or non-number learning rate
+    at construction, as the torch adapter refuses such an ``lr``; numbers, 0-d arrays and schedules pass."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo, fismo_training
+
+    for build in (fismo, fismo_training):
+        for bad in (-0.02, math.nan, math.inf, True, "0.02", jnp.ones(2)):
+            with pytest.raises(ValueError, match="learning_rate must be a finite number >= 0 or a schedule"):
+                build(bad)
+        for good in (0.0, 0.02, np.float32(0.02), jnp.asarray(0.02), optax.cosine_decay_schedule(0.02, 10)):
+            build(good)
+
+
+@pytest.mark.parametrize(
+    "leaf, error, match",
+    [
+        (jnp.ones((4, 3), jnp.int32), TypeError, r"leaf \['enc'\]\['w'\] \(shape \(4, 3\)\) must have a real floating dtype"),
+        (jnp.ones(3), ValueError, r"leaf \['enc'\]\['w'\] \(shape \(3,\)\) must be a matrix or a stack of matrices"),
+        (jnp.ones((0, 3)), ValueError, r"leaf \['enc'\]\['w'\] \(shape \(0, 3\)\) has shape \(0, 3\), with no entries"),
+    ],
+    ids=["int32", "vector", "empty"],
+)
+def test_optax_init_errors_name_the_leaf(leaf, error, match) -> None:
+    """``scale_by_fismo().init`` names a leaf it cannot take by its pytree path, as the NaN error does
+    (an empty matrix included: its statistics would reduce over nothing)."""
+    _optax()
+    from fismo_core.backends.optax import scale_by_fismo
+
+    with pytest.raises(error, match=match):
+        scale_by_fismo().init({"enc": {"w": leaf}})

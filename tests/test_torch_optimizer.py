@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import io
 import math
+import re
 import warnings
 
 import pytest
@@ -113,6 +114,49 @@ def test_bad_adamw_groups_are_refused():
         FISMO([{"params": [p], "algorithm": "adamw", "gamma": 0.9}])
     with pytest.raises(ValueError, match="betas"):
         FISMO([{"params": [p], "algorithm": "adamw", "betas": (0.9, 1.0)}])
+    for key in ("fused", "capturable", "differentiable"):  # torch.optim.AdamW's, which the group would not honour
+        with pytest.raises(ValueError, match=rf"param group 0 is an 'adamw' group with \{{'{key}': True\}}"):
+            FISMO([{"params": [p], "algorithm": "adamw", key: True}])
+    FISMO([{"params": [p], "algorithm": "adamw", "fused": None, "capturable": False, "differentiable": False}])
+
+
+def test_a_tensor_adamw_lr_with_foreach_is_refused_when_the_group_is_added():
+    """``torch.optim.AdamW`` refuses a tensor ``lr`` with ``foreach=True`` (``capturable=False``) at
+    construction; an AdamW group does too, where its step would have raised after the FISMO groups
+    had stepped. With ``foreach=None`` (the default) a tensor ``lr`` steps."""
+    W, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    adamw = {"params": [b], "algorithm": "adamw", "lr": torch.tensor(1e-3)}
+    with pytest.raises(ValueError, match="param group 1: a tensor AdamW lr needs foreach=False or None"):
+        FISMO([{"params": [W]}, {**adamw, "foreach": True}], lr=0.02)
+    with pytest.raises(ValueError, match="tensor AdamW lr must have one element, got shape \\(2,\\)"):
+        FISMO([{"params": [W]}, {**adamw, "lr": torch.tensor([1e-3, 1e-3])}], lr=0.02)
+    opt = FISMO([{"params": [W]}, adamw], lr=0.02)
+    W.grad, b.grad = torch.randn(4, 3), torch.randn(3)
+    before = b.detach().clone()
+    opt.step()
+    assert not torch.equal(b, before)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (2, 0, 3), (0, 0)])
+def test_empty_parameters_are_refused_in_fismo_groups(shape):
+    """A matrix with no entries has no statistics: refused when the group is added, naming it (its step
+    would fail in a reduction, after creating its state)."""
+    with pytest.raises(ValueError, match=rf"parameter 0 of param group 0 has shape {re.escape(str(shape))}, with no entries"):
+        FISMO([torch.nn.Parameter(torch.zeros(shape))])
+
+
+def test_a_first_step_that_raises_in_the_computation_leaves_no_state():
+    """``nonfinite="propagate"`` does not check: a NaN gradient reaches torch's ``eigh``, which raises its
+    ``LinAlgError`` (docs/guarantees.md). Nothing was written, and the initial states the step created
+    are removed again: the optimizer is as it was built, the parameters unchanged."""
+    W1, W2 = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, 2))
+    opt = FISMO([W1, W2], lr=0.02, nonfinite="propagate")
+    W1.grad, W2.grad = torch.randn(4, 3), torch.full((5, 2), math.nan)
+    before = [W1.detach().clone(), W2.detach().clone()]
+    with pytest.raises(torch.linalg.LinAlgError):
+        opt.step()
+    assert len(opt.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, (W1, W2)))
 
 
 def test_complex_parameters_are_refused_in_fismo_groups():
