@@ -156,25 +156,20 @@ def newton_schulz_schedule(
     return schedule, safety  # type: ignore[return-value]
 
 
-def _pow2_scale(X: Array) -> Array:
-    """Per matrix, the power of two ``s = 2^floor(log2 max|X|)`` if ``max|X| >= 2``, else ``1``; shape ``(..., 1, 1)``.
+def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
+    """Per matrix, from ``amax = max|X|`` (``(..., 1, 1)``), the power of two ``s = 2^floor(log2 max(amax, floor))``.
 
-    Dividing by ``s`` (and multiplying back) is exact in binary floating point,
-    barring underflow to subnormals, so a computation on ``X / s`` rescaled
-    afterwards rounds exactly as the computation on ``X`` wherever the latter
-    does not overflow; ``X / s`` has entries below 2, so its squares cannot.
-    Elementwise operations and one reduction: no host synchronisation.
+    With the default ``floor`` 1, ``s`` is 1 unless ``max|X| >= 2``; a ``floor`` below 1 (> 0) scales
+    small matrices up too (the polar factor's normalisation, down to its ``eps``). Dividing by ``s``
+    (and multiplying back) is exact in binary floating point, barring subnormals, so a computation on
+    ``X / s`` rescaled afterwards rounds exactly as the computation on ``X`` wherever the latter does
+    not overflow or underflow; ``X / s`` has entries below 2, so its squares cannot overflow.
+    Elementwise operations only: no host synchronisation.
     """
-    xp = array_namespace(X)
-    return _pow2_of(xp.max(xp.abs(X), axis=(-2, -1), keepdims=True))
-
-
-def _pow2_of(amax: Array) -> Array:
-    """`_pow2_scale` from ``max|X|`` (``(..., 1, 1)``), for a caller that has it already."""
     xp = array_namespace(amax)
-    # ones_like, not the Python scalar 1.0: array-api-compat's torch maximum promotes a scalar through
+    # full_like, not the Python scalar: array-api-compat's torch maximum promotes a scalar through
     # torch.result_type, which torch.compile cannot trace (a graph break); the values are the same.
-    return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.ones_like(amax))))
+    return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.full_like(amax, floor))))
 
 
 def _check_same_namespace_and_device(*arrays: Array) -> Any:
@@ -453,7 +448,10 @@ def polar(
         :data:`POLAR_EXPRESS_COEFFICIENTS`; it converges to ``U V^T``.
         Or an explicit sequence of ``(a, b, c)`` triples (the last repeats).
     eps:
-        Lower bound of the normaliser, so that ``X = 0`` maps to ``0``.
+        Lower bound of the normaliser, so that ``X = 0`` maps to ``0``: a
+        finite number > 0 (validated, also for ``"svd"``, which ignores it).
+        ``X`` is normalised at any scale down to ``eps``: ``X`` and
+        ``eps`` scaled by a power of two give the same polar factor.
     rtol:
         ``"svd"`` only (ignored by ``"newton_schulz"``, but validated): the
         relative cut. Singular values ``s <= rtol * sigma_max`` of each matrix
@@ -545,6 +543,8 @@ def polar(
     xp = _check_float_matrices(X, "X")
     rtol = _check_rtol(rtol)
     checked = _check_flag(check)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite number > 0 (the smallest norm normalised by), got {eps!r}")
     if method not in ("svd", "newton_schulz"):
         raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")
     if method == "svd" and dtype is not None:
@@ -552,8 +552,10 @@ def polar(
             f"dtype={dtype!r} is the Newton–Schulz iteration dtype; method='svd' is exact and computes in "
             "X's dtype: pass dtype=None"
         )
-    if method == "newton_schulz":  # the arguments are checked before any value is read
-        schedule, safety = newton_schulz_schedule(coefficients, steps)
+    # The arguments are checked before any value is read; steps and coefficients for "svd" too,
+    # which ignores them (as "newton_schulz" validates rtol), so that a typo never passes silently.
+    schedule, safety = newton_schulz_schedule(coefficients, steps)
+    if method == "newton_schulz":
         compute_dtype = X.dtype if dtype is None else _resolve_dtype(xp, dtype)
     if checked:
         _checks_can_run(xp, X, "X", "polar")
@@ -564,12 +566,15 @@ def polar(
         cut = (default_polar_rtol(X) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
         keep = xp.astype(S > cut, U.dtype)  # 1 for s > rtol * s_max, else 0: U * 1 is U bit for bit
         return (U * keep[..., None, :]) @ Vh
+    if X.shape[-1] == 0 or X.shape[-2] == 0:  # nothing to orthogonalise (and no max to take)
+        return xp.zeros_like(X)
     transposed = X.shape[-2] > X.shape[-1]
     Y = xp.matrix_transpose(X) if transposed else X
-    # ||Y||_F is taken of Y / s, s a power of two (_pow2_scale): the sum of squares cannot
-    # overflow, and where ||Y||_F does not overflow the result is bit for bit that of
-    # Y / max(safety ||Y||_F, eps) (scaling by a power of two is exact).
-    s = _pow2_scale(Y)
+    # ||Y||_F is taken of Y / s, s = 2^floor(log2 max(max|Y|, eps)) (_pow2_of): the sum of squares can
+    # neither overflow nor, down to eps, underflow (a tiny X with a smaller eps, as guarantees.md
+    # advises), and the result is bit for bit that of Y / max(safety ||Y||_F, eps) wherever that
+    # norm is computed without overflow or underflow (scaling by a power of two is exact).
+    s = _pow2_of(xp.max(xp.abs(Y), axis=(-2, -1), keepdims=True), min(float(eps), 1.0))
     Y = Y / s
     norm = xp.linalg.matrix_norm(Y, keepdims=True)
     # maximum, not clip: array-api-compat's CuPy clip indexes with a mask, a host sync.
@@ -687,8 +692,8 @@ def inverse_sqrt(
     xp = _check_float_matrices(A, "A", square=True)
     if method not in ("eigh", "newton_schulz"):
         raise ValueError(f"unknown inverse_sqrt method {method!r}: use 'eigh' or 'newton_schulz'")
-    if method == "newton_schulz":
-        schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
+    # steps and coefficients are checked for "eigh" too, which ignores them: a typo never passes silently.
+    schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
     # The arguments are valid; now the values. A 0 x 0 matrix has nothing to check.
     checked = _check_flag(check) and A.shape[-1] > 0 and _checks_can_run(xp, A, "A", "inverse_sqrt")
     if checked:
@@ -704,6 +709,12 @@ def inverse_sqrt(
             scaled = xp.astype(scaled, xp.float32)
         _check_positive_definite(xp, A, xp.linalg.eigvalsh(scaled), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
+    # The iteration runs on A / 4^k, 4^k <= max|A| < 4^(k+1) per matrix: its ||.||_F can neither
+    # overflow nor underflow, and the root's factor 2^k is exact (bit for bit the unscaled iteration
+    # wherever ||A||_F is computed without overflow or underflow).
+    amax = xp.max(xp.abs(A), axis=(-2, -1), keepdims=True)
+    half_log4 = xp.floor(xp.log2(xp.where(amax > 0, amax, xp.ones_like(amax))) / 2)
+    A = A / 4.0**half_log4
     scale = safety**2 * xp.linalg.matrix_norm(A, keepdims=True)
     Y = A / scale
     Z = None  # Z_0 = I, so the first step needs neither Z Y nor T Z
@@ -715,7 +726,7 @@ def inverse_sqrt(
         if k < len(schedule) - 1:  # the last step's Y is never used
             Y = Y @ T
         Z = T if Z is None else T @ Z
-    return Z / xp.sqrt(scale)
+    return Z / xp.sqrt(scale) / 2.0**half_log4
 
 
 def inverse_sqrt_steps(coefficients: Coefficients, steps: Optional[int] = None) -> int:

@@ -401,6 +401,8 @@ SYNC_FREE_ON_CUPY = {
     "zeros": "cupy.zeros, on CuPy's current device",
     "zeros_like": "cupy.zeros_like",
     "ones_like": "cupy.ones_like, an allocation kernel",
+    "full_like": "cupy.full_like with a Python number: an allocation and a fill kernel",
+    "where": "cupy.where(condition, x, y), three arguments: an elementwise kernel (one argument would sync)",
     "astype": "ndarray.astype, a device kernel",
     "matrix_transpose": "swapaxes, a view",
     "sqrt": "an elementwise kernel",
@@ -413,7 +415,7 @@ SYNC_FREE_ON_CUPY = {
     "linalg.matrix_norm": "cupy.linalg.norm(ord='fro'): elementwise kernel and reduction",
     "linalg.eigh": "cuSOLVER syevd / syevjBatched; the info code is read back only under cupyx.errstate(linalg='raise')",
     "linalg.svd": "cuSOLVER gesvd / gesvdjBatched; the info code is read back only under cupyx.errstate(linalg='raise')",
-    # The overflow-safe power-of-two scale (linalg._pow2_scale) and the state's int32 counters (issue #6):
+    # The overflow-safe power-of-two scale (linalg._pow2_of) and the state's int32 counters (issue #6):
     "int32": "a dtype",
     "abs": "cupy.abs, an elementwise kernel",
     "max": "cupy.max, a reduction kernel; the result stays on the device",

@@ -394,7 +394,7 @@ def test_statistics_rescaling_is_bit_for_bit_neutral(target: Target, monkeypatch
     for opt in (FISMO(), FISMO(polar="svd", inv_root="newton_schulz")):
         W, state, _ = _run(opt, target, W0, grads)
 
-        def no_scale(amax):  # _pow2_of underlies every power-of-two scale (_pow2_scale calls it)
+        def no_scale(amax, floor=1.0):  # _pow2_of underlies every power-of-two scale
             return fl.array_namespace(amax).ones_like(amax)
 
         with monkeypatch.context() as patch:
@@ -412,7 +412,7 @@ def test_without_rescaling_huge_float32_gradients_break(monkeypatch: pytest.Monk
     G = (1e30 * np.random.default_rng(8).standard_normal((6, 6))).astype(np.float32)
     opt = FISMO()
     W = np.zeros((6, 6), np.float32)
-    monkeypatch.setattr(fl, "_pow2_of", np.ones_like)  # every power-of-two scale (_pow2_scale calls it)
+    monkeypatch.setattr(fl, "_pow2_of", lambda amax, floor=1.0: np.ones_like(amax))  # every power-of-two scale
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.warns(InverseRootWarning):
@@ -433,6 +433,61 @@ def test_polar_of_huge_matrices(target: Target) -> None:
     got = _np(linalg.polar(target.asarray(big * X), method="svd"))
     ref = _np(linalg.polar(target.asarray(X), method="svd"))
     assert max_relative_error(got, ref) <= 10 * float(np.finfo(target.dtype).eps)
+
+
+def test_polar_of_tiny_matrices_with_a_smaller_eps(target: Target) -> None:
+    """With an ``eps`` as small as the matrix (what guarantees.md advises for gradients that tiny),
+    the normaliser is taken of X scaled up by a power of two too: entries of 2^-100 (float32,
+    squares below the smallest float) or 2^-600 (float64) gave all NaN (||X||_F underflowed to 0,
+    X / eps overflowed in the quintic). Now X and eps scaled alike give the polar factor of X, bit
+    for bit (the scaling is exact)."""
+    X = np.random.default_rng(11).standard_normal((4, 6))
+    tiny = 2.0**-100 if target.dtype == "float32" else 2.0**-600
+    for options in ({}, {"coefficients": "polar_express", "steps": 8}):
+        got = _np(linalg.polar(target.asarray(tiny * X), eps=1e-7 * tiny, **options))
+        assert np.array_equal(got, _np(linalg.polar(target.asarray(X), **options)))
+
+
+@pytest.mark.parametrize("k", [35, -42, 270, -330], ids=["4^35", "4^-42", "4^270", "4^-330"])
+def test_newton_schulz_inverse_root_at_any_scale(target: Target, k: int) -> None:
+    """``inverse_sqrt(method="newton_schulz")`` iterates on A / 4^j (4^j <= max|A|): its ||A||_F can
+    neither overflow nor underflow, and (A 4^k)^{-1/2} is A^{-1/2} / 2^k bit for bit. Before, the
+    input checks (on a scaled copy) passed and the iteration returned zeros (float32 at 1e21,
+    float64 at 1e162) or NaN (float32 at 1e-25, float64 at 1e-199): a wrong answer under check=True."""
+    if abs(k) > 60 and target.dtype == "float32":
+        pytest.skip("4^±270 is outside float32's range")
+    A = np.array([[2.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 4.0]])
+    want = _np(linalg.inverse_sqrt(target.asarray(A), method="newton_schulz")) / 2.0**k
+    got = _np(linalg.inverse_sqrt(target.asarray(A * 4.0**k), method="newton_schulz"))
+    assert np.all(np.isfinite(got)) and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0), (2, 0, 3)])
+def test_polar_of_an_empty_matrix_is_empty(shape: tuple) -> None:
+    """A matrix with a side of 0 has an empty polar factor, by Newton–Schulz as by the SVD (which
+    returned it already; Newton–Schulz failed in a reduction over nothing)."""
+    X = np.zeros(shape)
+    for method in ("newton_schulz", "svd"):
+        got = linalg.polar(X, method=method)
+        assert got.shape == shape and got.dtype == X.dtype
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0, math.nan, math.inf, True, "1e-7"])
+def test_polar_eps_must_be_a_finite_positive_number(eps: object) -> None:
+    """``eps`` 0 made a zero matrix NaN, NaN made every output NaN, and a string failed in a ufunc."""
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        linalg.polar(np.eye(3), eps=eps)
+
+
+def test_iteration_arguments_are_validated_by_the_exact_methods_too() -> None:
+    """``steps`` and ``coefficients`` are Newton–Schulz's, but a typo given with ``method="svd"`` or
+    ``"eigh"`` (which ignore them) raises as it would with Newton–Schulz (docs/linalg.md, Errors)."""
+    for call in (lambda: linalg.polar(np.eye(3), method="svd", steps=0),
+                 lambda: linalg.polar(np.eye(3), method="svd", coefficients="nonsense"),
+                 lambda: linalg.inverse_sqrt(np.eye(3), steps=0),
+                 lambda: linalg.inverse_sqrt(np.eye(3), coefficients="muon")):
+        with pytest.raises(ValueError):
+            call()
 
 
 @IGNORE_SQRT_WARNING
