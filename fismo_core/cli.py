@@ -61,6 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "verify":
         if args.steps is not None and args.steps < 1:
             parser.error("verify: --steps must be a positive integer")
+        if args.seed is not None and args.seed < 0:  # NumPy's generators take seeds >= 0
+            parser.error("verify: --seed must be an integer >= 0")
         if args.against is not None and (args.steps is not None or args.seed is not None or args.save is not None):
             parser.error("verify: --against takes the streams, steps and seed from the reference file; "
                          "drop --steps, --seed and --save")

@@ -429,13 +429,18 @@ class Reference:
                     steps, seed, config = int(manifest["steps"]), int(manifest["seed"]), manifest["config"]
                     lib = str(manifest["library_version"])
                 except (KeyError, TypeError, ValueError) as exc:
-                    raise ReferenceFileError(f"{path} is damaged: its manifest lacks {exc}") from exc
+                    raise ReferenceFileError(f"{path} is damaged: its manifest is incomplete or malformed ({exc})") from exc
                 if set(quantities) != set(QUANTITIES):
                     raise ReferenceFileError(
                         f"{path} is incompatible: it compares {', '.join(quantities)}; this version compares "
                         f"{', '.join(QUANTITIES)}"
                     )
+                if not (isinstance(stream_info, list) and stream_info and all(
+                        isinstance(s, dict) and isinstance(s.get("name"), str) for s in stream_info)):
+                    raise ReferenceFileError(f"{path} is damaged: its manifest lists no named streams")
                 names = [s["name"] for s in stream_info]
+                if len(set(names)) != len(names) or steps < 1:
+                    raise ReferenceFileError(f"{path} is damaged: repeated stream names or steps {steps} < 1")
                 expected = {f"{n}/{k}" for n in names for k in ("W0", "G", *QUANTITIES)}
                 missing = sorted(expected - set(f.files))
                 if missing:
@@ -447,9 +452,18 @@ class Reference:
             raise ReferenceFileError(f"{path} is damaged: {type(exc).__name__}: {exc}") from exc
         if _checksum(arrays) != checksum:
             raise ReferenceFileError(f"{path} is damaged: its checksum does not match its contents")
+        for name in names:  # G and every line's output hold `steps` steps of W0's batch
+            W0 = arrays[f"{name}/W0"]
+            lead = (steps, *W0.shape[:-2])
+            wrong = [k for k in ("G", *QUANTITIES) if arrays[f"{name}/{k}"].shape[: len(lead)] != lead]
+            if W0.ndim < 2 or arrays[f"{name}/G"].shape != (steps, *W0.shape) or wrong:
+                shapes = ", ".join(f"{k} {arrays[f'{name}/{k}'].shape}" for k in ("W0", "G", *[k for k in wrong if k != "G"][:1]))
+                raise ReferenceFileError(
+                    f"{path} is damaged: stream {name!r} does not hold {steps} steps of W0's shape ({shapes})"
+                )
         try:
             optimizer_from_config(config)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ReferenceFileError(
                 f"{path} is incompatible: its FISMO configuration cannot be built by fismo {__version__} ({exc})"
             ) from exc

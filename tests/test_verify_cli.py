@@ -439,6 +439,45 @@ def test_refuses_other_quantities(saved: Path, tmp_path: Path, capsys) -> None:
     _refused(path, capsys, r"is incompatible: it compares P, Q")
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [lambda m: m.update(streams=[]), lambda m: m.update(streams=None), lambda m: m.update(streams=[1, 2]),
+     lambda m: m.update(streams=[{"description": "no name"}]), lambda m: m.update(streams={"a": 1})],
+    ids=["no-streams", "null", "numbers", "unnamed", "mapping"],
+)
+def test_refuses_a_manifest_without_named_streams(saved: Path, tmp_path: Path, capsys, edit) -> None:
+    """The manifest is outside the checksum: streams that are not a non-empty list of named streams are
+    a damaged file (exit 2, one line), not a traceback (exit 1), and no streams never passes."""
+    _refused(_rewrite(saved, tmp_path / "s.npz", edit_manifest=edit), capsys, "is damaged: its manifest lists no named streams")
+
+
+def test_refuses_a_configuration_of_the_wrong_type(saved: Path, tmp_path: Path, capsys) -> None:
+    path = _rewrite(saved, tmp_path / "p.npz", edit_manifest=lambda m: m["config"].update(polar=5))
+    _refused(path, capsys, r"is incompatible: its FISMO configuration cannot be built")
+
+
+def test_refuses_streams_whose_arrays_do_not_hold_the_steps(saved: Path, tmp_path: Path, capsys) -> None:
+    """A gradient stream one step short, checksum recomputed (so the file is consistent but unusable)."""
+    from fismo_core.verify import _checksum
+
+    out = tmp_path / "short.npz"
+    with np.load(saved) as f:
+        arrays = {k: f[k] for k in f.files}
+    manifest = json.loads(str(arrays.pop("manifest")))
+    key = next(k for k in arrays if k.endswith("/G"))
+    arrays[key] = arrays[key][:-1]
+    manifest["checksum"] = _checksum({k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()})
+    with open(out, "wb") as fh:
+        np.savez(fh, manifest=np.array(json.dumps(manifest)), **arrays)
+    _refused(out, capsys, rf"is damaged: stream '{key.split('/')[0]}' does not hold \d+ steps of W0's shape")
+
+
+def test_cli_rejects_a_negative_seed(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["verify", "--steps", "1", "--seed", "-1"])
+    assert exc.value.code == 2 and "--seed must be an integer >= 0" in capsys.readouterr().err
+
+
 def test_load_raises_reference_file_error(tmp_path: Path) -> None:
     with pytest.raises(ReferenceFileError, match="does not exist"):
         Reference.load(tmp_path / "missing.npz")
