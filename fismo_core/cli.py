@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -94,6 +95,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         except ValueError as exc:  # an unknown task or optimizer name
             parser.error(f"demo: {exc}")
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            parser.error(f"demo: --out {args.out} is a file; the report is a directory")
         command = " ".join(["fismo", *(argv if argv is not None else sys.argv[1:])])
         return demo_main(config, args.out, progress=not args.no_progress, command=command)
     raise AssertionError(args.command)  # argparse rejects unknown commands

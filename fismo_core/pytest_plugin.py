@@ -55,6 +55,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if name not in metafunc.fixturenames:
             continue
         marker = metafunc.definition.get_closest_marker("array_targets")
+        if marker is not None and marker.args:  # would otherwise be ignored: every target would run
+            raise TypeError(f"array_targets takes keywords only (backends=[...], dtypes=[...]), got {marker.args!r}")
         options = dict(marker.kwargs) if marker is not None else {}
         dtypes = options.get("dtypes")
         if only is not None:

@@ -309,8 +309,14 @@ def targets(*, backends: Optional[Iterable[str]] = None, dtypes: Optional[Iterab
 
     ``backends`` (names: ``"numpy"``, ``"array_api_strict"``, ``"torch"``,
     ``"jax"``, ``"cupy"``) and ``dtypes`` (``"float64"``, ``"float32"``)
-    select a subset; an unknown name is a ``ValueError``.
+    select a subset; an unknown name is a ``ValueError``, a single string (not
+    a list of names) a ``TypeError``. Listing the JAX targets turns on JAX's
+    process-wide ``jax_enable_x64`` (its float64 arrays need it), so JAX's
+    default dtype is float64 afterwards in the whole process.
     """
+    for name, value in (("backends", backends), ("dtypes", dtypes)):
+        if isinstance(value, str):
+            raise TypeError(f"{name} must be a list of names, not the string {value!r}: {name}=[{value!r}]")
     makers = {
         "numpy": _numpy_targets,
         "array_api_strict": _strict_targets,
@@ -653,7 +659,9 @@ def check_backends(
     ``array_api_compat.array_namespace`` from its inputs). Every floating
     NumPy array among ``args`` and ``kwargs`` (at least one) is converted to
     each target's backend, device and dtype; other arguments are passed
-    unchanged; the reference call gets them as NumPy float64. The outputs (an
+    unchanged; the reference call gets them as NumPy float64. Every call gets
+    its own copies, so a ``fn`` that writes into its input changes neither
+    the caller's arrays nor the reference. The outputs (an
     array, or tuples, lists, dicts and NamedTuples of arrays, nested) are
     checked one by one: each must be an array of the inputs' namespace
     (``array_api_compat.array_namespace`` of the converted inputs: a NumPy
@@ -739,9 +747,13 @@ def check_backends(
                          "those are what it converts to each target")
 
     def convert(asarray: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any], list[Any]]:
-        """``fn``'s arguments with the floating arrays converted, and those converted arrays."""
-        a = [asarray(v) if floating(v) else v for v in args]
-        k = {name: asarray(v) if floating(v) else v for name, v in kwargs.items()}
+        """``fn``'s arguments with the floating arrays converted, and those converted arrays.
+
+        Each conversion starts from a copy: NumPy and torch could otherwise share the caller's memory,
+        and a ``fn`` that writes into its input would change the caller's arrays, the reference and
+        the next target's input."""
+        a = [asarray(np.array(v, copy=True)) if floating(v) else v for v in args]
+        k = {name: asarray(np.array(v, copy=True)) if floating(v) else v for name, v in kwargs.items()}
         converted = [c for c, v in zip((*a, *k.values()), (*args, *kwargs.values())) if floating(v)]
         return a, k, converted
 

@@ -723,6 +723,9 @@ def main(
     if save is not None and not Path(save).resolve().parent.is_dir():
         print(f"fismo verify: cannot write {save}: directory {Path(save).resolve().parent} does not exist", file=err)
         return 2
+    if save is not None and Path(save).is_dir():  # refused before the run, not after it
+        print(f"fismo verify: cannot write {save}: it is a directory (give a file name, e.g. {Path(save) / 'reference.npz'})", file=err)
+        return 2
     if against is not None:
         try:
             reference = Reference.load(against)

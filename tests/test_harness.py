@@ -78,6 +78,25 @@ def _off_on_torch(x: Any) -> Any:
     return {"gram": g / x.shape[-1], "scaled": g * scale, "trace": xp.sum(g, axis=(-2, -1))}
 
 
+def test_a_function_that_writes_into_its_input_changes_neither_the_caller_nor_the_reference() -> None:
+    """NumPy and torch convert without copying: the reference call and the NumPy, strict and torch
+    float64 targets shared the caller's array, so an in-place ``fn`` doubled it once per call (16
+    times here) and moved the reference under the rows. Every call now gets its own copies; JAX,
+    whose arrays cannot be written, is the row that fails."""
+
+    def double_in_place(a: Any) -> Any:
+        a[...] = a * 2
+        return a
+
+    x = RNG.standard_normal((3, 4))
+    before = x.copy()
+    report = check_backends(double_in_place, x)
+    assert np.array_equal(x, before)
+    for r in report:
+        if r.target.available and not r.target.backend.startswith("jax"):
+            assert r.passed, (r.target.id, r.verdict)
+
+
 def test_a_backend_dependent_bug_fails_and_names_the_output() -> None:
     report = check_backends(_off_on_torch, X)
     assert not report.ok
@@ -569,6 +588,31 @@ def test_plugin_collects_the_whole_matrix(pytester: pytest.Pytester) -> None:
     n, n64 = len(targets()), len(targets(dtypes=["float64"]))
     avail, avail64 = len(AVAILABLE), len([t for t in AVAILABLE if t.dtype == "float64"])
     result.assert_outcomes(passed=avail + avail64, skipped=(n - avail) + (n64 - avail64))
+
+
+def test_plugin_refuses_a_positional_marker_argument(pytester: pytest.Pytester) -> None:
+    """``array_targets(["torch"])`` was ignored (every target ran): now a collection error that says
+    the marker takes keywords."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.array_targets(["torch"])
+        def test_some(array_target):
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "fismo_core.pytest_plugin", "-q")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*array_targets takes keywords only*"])
+
+
+def test_targets_refuses_a_single_string() -> None:
+    """``targets(backends="numpy")`` was split into characters ("unknown backend 'n'")."""
+    with pytest.raises(TypeError, match=r"backends must be a list of names, not the string 'numpy'"):
+        targets(backends="numpy")
+    with pytest.raises(TypeError, match=r"dtypes must be a list of names"):
+        targets(dtypes="float64")
 
 
 # ------------------------------------------------------- errata (docs/verification.md)

@@ -472,6 +472,22 @@ def test_refuses_streams_whose_arrays_do_not_hold_the_steps(saved: Path, tmp_pat
     _refused(out, capsys, rf"is damaged: stream '{key.split('/')[0]}' does not hold \d+ steps of W0's shape")
 
 
+def test_save_into_a_directory_is_refused_before_running(tmp_path: Path, capsys) -> None:
+    """``--save .`` failed only after the whole run; now before it, exit 2 and one line."""
+    assert cli_main(["verify", "--steps", "1", "--save", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "it is a directory" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_demo_out_that_is_a_file_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    """``fismo demo --out FILE`` trained everything, then failed writing the report with a traceback."""
+    existing = tmp_path / "results"
+    existing.write_text("not a directory")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--quick", "--out", str(existing)])
+    assert exc.value.code == 2 and "--out" in capsys.readouterr().err
+
+
 def test_cli_rejects_a_negative_seed(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main(["verify", "--steps", "1", "--seed", "-1"])
