@@ -105,7 +105,7 @@ def test_a_backend_dependent_bug_fails_and_names_the_output() -> None:
     for r in report.failed:
         assert r.where == "output['scaled']"
         assert r.details["output['gram']"] <= r.tolerance < r.details["output['scaled']"]
-        assert f"FAIL at output['scaled']" in report.table()
+        assert "FAIL at output['scaled']" in report.table()
     explained = report.explain()
     for r in report.failed:
         assert f"{r.target.id}: FAIL at output['scaled']" in explained
