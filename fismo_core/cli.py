@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/results.md.",
     )
     demo.add_argument("--out", default="fismo-results", help="output directory (default fismo-results/)")
-    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: about 6 CPU-minutes (3 minutes on 2 idle cores)")
+    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: 3 to 6 CPU-minutes (1.5 to 3 minutes on 2 idle cores; "
+                      "the less where the CPU has bfloat16 instructions, as the README measures)")
     demo.add_argument("--tasks", default="digits,text", help="comma-separated: digits, text (default both)")
     demo.add_argument(
         "--optimizers",
