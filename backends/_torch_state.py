@@ -156,8 +156,9 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
     ):
         return  # Optimizer.load_state_dict raises its own error for these
     for gi, (saved_group, group) in enumerate(zip(saved_groups, param_groups)):
+        algorithm = group["algorithm"]
         # A group saved before AdamW groups existed has no "algorithm"; FISMO's groups always had "beta".
-        algorithm, saved_algorithm = group["algorithm"], saved_group.get("algorithm", "fismo" if "beta" in saved_group else None)
+        saved_algorithm = saved_group.get("algorithm", "fismo" if "beta" in saved_group else None)
         if saved_algorithm != algorithm:  # the base class would take the checkpoint's, and its state
             said = "no algorithm (not saved by FISMO)" if saved_algorithm is None else repr(saved_algorithm)
             raise ValueError(

@@ -265,16 +265,17 @@ def _checks_can_run(xp: Any, X: Array, name: str, function: str) -> bool:
     )
 
 
-def _scaled_by_power_of_two(A: Array) -> Array:
-    """``A / 2^k`` per matrix, ``2^k <= max|A| < 2^(k+1)`` (``A`` itself where it is zero).
+def _max_exponent(A: Array) -> Array:
+    """``k = floor(log2 max|A|)`` per matrix, shape ``(..., 1, 1)`` (0 where ``A`` is zero).
 
-    Exact in binary floating point (barring subnormals), so symmetry and the
-    ratios of eigenvalues are unchanged, and ``||A||_F`` cannot overflow or
-    underflow: the checks of `inverse_sqrt` hold at any scale.
+    ``A / 2^k`` has entries in ``[1, 2)`` at most: exact in binary floating point (barring
+    subnormals), so symmetry and the ratios of eigenvalues are unchanged, and its ``||.||_F``
+    can neither overflow nor underflow. The checks of `inverse_sqrt` run on ``A / 2^k``, its
+    Newton–Schulz iteration on ``A / 4^floor(k/2)`` (whose root's factor is exact too).
     """
     xp = array_namespace(A)
     amax = xp.max(xp.abs(A), axis=(-2, -1), keepdims=True)
-    return A / 2.0 ** xp.floor(xp.log2(xp.where(amax > 0, amax, xp.ones_like(amax))))
+    return xp.floor(xp.log2(xp.where(amax > 0, amax, xp.ones_like(amax))))
 
 
 def inverse_sqrt_tolerance(A: Array) -> float:
@@ -696,8 +697,10 @@ def inverse_sqrt(
     schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
     # The arguments are valid; now the values. A 0 x 0 matrix has nothing to check.
     checked = _check_flag(check) and A.shape[-1] > 0 and _checks_can_run(xp, A, "A", "inverse_sqrt")
+    if checked or method == "newton_schulz":
+        exponent = _max_exponent(A)
     if checked:
-        scaled = _scaled_by_power_of_two(A)
+        scaled = A / 2.0**exponent  # the checks hold at any scale
         _check_symmetric(xp, scaled, "inverse_sqrt")
     if method == "eigh":
         w, V = xp.linalg.eigh(A)
@@ -709,11 +712,10 @@ def inverse_sqrt(
             scaled = xp.astype(scaled, xp.float32)
         _check_positive_definite(xp, A, xp.linalg.eigvalsh(scaled), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
-    # The iteration runs on A / 4^k, 4^k <= max|A| < 4^(k+1) per matrix: its ||.||_F can neither
-    # overflow nor underflow, and the root's factor 2^k is exact (bit for bit the unscaled iteration
+    # The iteration runs on A / 4^j, 4^j <= max|A| < 4^(j+1) per matrix: its ||.||_F can neither
+    # overflow nor underflow, and the root's factor 2^j is exact (bit for bit the unscaled iteration
     # wherever ||A||_F is computed without overflow or underflow).
-    amax = xp.max(xp.abs(A), axis=(-2, -1), keepdims=True)
-    half_log4 = xp.floor(xp.log2(xp.where(amax > 0, amax, xp.ones_like(amax))) / 2)
+    half_log4 = xp.floor(exponent / 2)
     A = A / 4.0**half_log4
     scale = safety**2 * xp.linalg.matrix_norm(A, keepdims=True)
     Y = A / scale

@@ -439,8 +439,10 @@ class Reference:
                         isinstance(s, dict) and isinstance(s.get("name"), str) for s in stream_info)):
                     raise ReferenceFileError(f"{path} is damaged: its manifest lists no named streams")
                 names = [s["name"] for s in stream_info]
-                if len(set(names)) != len(names) or steps < 1:
-                    raise ReferenceFileError(f"{path} is damaged: repeated stream names or steps {steps} < 1")
+                if len(set(names)) != len(names):
+                    raise ReferenceFileError(f"{path} is damaged: its manifest repeats a stream name")
+                if steps < 1:
+                    raise ReferenceFileError(f"{path} is damaged: its manifest has {steps} steps")
                 expected = {f"{n}/{k}" for n in names for k in ("W0", "G", *QUANTITIES)}
                 missing = sorted(expected - set(f.files))
                 if missing:
@@ -455,9 +457,9 @@ class Reference:
         for name in names:  # G and every line's output hold `steps` steps of W0's batch
             W0 = arrays[f"{name}/W0"]
             lead = (steps, *W0.shape[:-2])
-            wrong = [k for k in ("G", *QUANTITIES) if arrays[f"{name}/{k}"].shape[: len(lead)] != lead]
+            wrong = [k for k in QUANTITIES if arrays[f"{name}/{k}"].shape[: len(lead)] != lead]
             if W0.ndim < 2 or arrays[f"{name}/G"].shape != (steps, *W0.shape) or wrong:
-                shapes = ", ".join(f"{k} {arrays[f'{name}/{k}'].shape}" for k in ("W0", "G", *[k for k in wrong if k != "G"][:1]))
+                shapes = ", ".join(f"{k} {arrays[f'{name}/{k}'].shape}" for k in ("W0", "G", *wrong[:1]))
                 raise ReferenceFileError(
                     f"{path} is damaged: stream {name!r} does not hold {steps} steps of W0's shape ({shapes})"
                 )
