@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -165,8 +166,12 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         if lr.numel() != 1:
             raise ValueError(f"{where}: a tensor lr must have one element")
         lr = lr.item()
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr < 0:
         raise ValueError(f"{where}: lr must be a finite number >= 0, got {hp['lr']!r}")
+    if not isinstance(hp["lr"], torch.Tensor) and type(hp["lr"]) not in (int, float):
+        # A NumPy scalar (np.float32, np.float64, ...) is stored as a Python float: a state_dict holding it
+        # would not load with torch.load(weights_only=True).
+        hp["lr"] = float(lr)
     if hp["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(
             f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {hp['adjust_lr_fn']!r}"

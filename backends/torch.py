@@ -140,7 +140,8 @@ class FISMO(Optimizer):
         As in [`fismo_core.FISMO`][fismo_core.FISMO], with the same defaults. ``lr`` may be
         given positionally, ``FISMO(params, 0.02)``, as in ``torch.optim``;
         the others are keyword-only. ``lr`` may be
-        0 (schedulers reach it); ``weight_decay`` is decoupled,
+        0 (schedulers reach it), a one-element tensor, or a NumPy scalar (stored
+        as a Python float); ``weight_decay`` is decoupled,
         ``W <- (1 - lr * weight_decay) W`` with the group's unadjusted lr,
         as ``torch.optim.Muon`` does.
     adjust_lr_fn:

@@ -92,6 +92,28 @@ def test_positional_learning_rate_works_as_in_torch_optim():
         FISMO([W], -1.0)
 
 
+@pytest.mark.parametrize("lr", [np.float32(0.05), np.float64(0.05), np.int64(1)])
+def test_a_numpy_learning_rate_is_stored_as_a_python_float(lr):
+    """A NumPy scalar lr steps as ``float(lr)`` and is stored so (``torch.optim``'s optimizers take it
+    too); a state_dict holding a NumPy scalar would not load with ``torch.load(weights_only=True)``."""
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(5, 7, dtype=torch.float64, generator=gen))
+    twin = torch.nn.Parameter(W.detach().clone())
+    opt, opt_float = FISMO([W], lr=lr), FISMO([twin], lr=float(lr))
+    assert type(opt.param_groups[0]["lr"]) is float and opt.param_groups[0]["lr"] == float(lr)
+    G = torch.randn(5, 7, dtype=torch.float64, generator=gen)
+    W.grad, twin.grad = G, G.clone()
+    opt.step()
+    opt_float.step()
+    assert torch.equal(W, twin)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["param_groups"][0]["lr"] == float(lr)
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+        FISMO([W], lr=np.float32("nan"))
+
+
 @pytest.mark.parametrize(
     ("group", "error", "match"),
     [
