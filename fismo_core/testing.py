@@ -206,15 +206,31 @@ def full_float32_matmuls() -> Iterator[None]:
         _set_matmul_settings(before)
 
 
+class _BrokenInstall(ImportError):
+    """A backend that is installed but fails to import (e.g. ``OSError``: a CUDA library it links is missing)."""
+
+
 def _import(name: str) -> Any:
-    return importlib.import_module(name)
+    """``importlib.import_module``; any other error than ``ImportError`` is raised as `_BrokenInstall`, so that
+    every caller that treats a missing backend as unavailable treats a broken one so too."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise
+    except Exception as exc:
+        raise _BrokenInstall(f"{name} is installed but failed to import ({type(exc).__name__}: {exc})") from exc
+
+
+def _unavailable(exc: ImportError, missing: str) -> str:
+    """Why a backend's targets are skipped: ``missing`` (how to install it), or how its import failed."""
+    return str(exc) if isinstance(exc, _BrokenInstall) else missing
 
 
 def _numpy_targets() -> Iterator[Target]:
     try:
         np = _import("numpy")
-    except ImportError:
-        yield Target("numpy", "cpu", "float64", reason="numpy is not installed (pip install numpy)")
+    except ImportError as exc:
+        yield Target("numpy", "cpu", "float64", reason=_unavailable(exc, "numpy is not installed (pip install numpy)"))
         return
     from array_api_compat import array_namespace
 
@@ -229,9 +245,10 @@ def _numpy_targets() -> Iterator[Target]:
 def _strict_targets() -> Iterator[Target]:
     try:
         xs = _import("array_api_strict")
-    except ImportError:
+    except ImportError as exc:
+        reason = _unavailable(exc, "array-api-strict is not installed (pip install array-api-strict)")
         for dtype in ("float64", "float32"):
-            yield Target("array_api_strict", "CPU_DEVICE", dtype, reason="array-api-strict is not installed (pip install array-api-strict)")
+            yield Target("array_api_strict", "CPU_DEVICE", dtype, reason=reason)
         return
     for dtype in ("float64", "float32"):
         yield Target(
@@ -244,10 +261,11 @@ def _strict_targets() -> Iterator[Target]:
 def _torch_targets() -> Iterator[Target]:
     try:
         torch = _import("torch")
-    except ImportError:
+    except ImportError as exc:
+        reason = _unavailable(exc, "torch is not installed (pip install torch)")
         for dev in ("cpu", "cuda"):
             for dtype in ("float64", "float32"):
-                yield Target("torch", dev, dtype, reason="torch is not installed (pip install torch)")
+                yield Target("torch", dev, dtype, reason=reason)
         return
     from array_api_compat import array_namespace
 
@@ -266,9 +284,10 @@ def _jax_targets() -> Iterator[Target]:
     try:
         jax = _import("jax")
         jnp = _import("jax.numpy")
-    except ImportError:
+    except ImportError as exc:
+        reason = _unavailable(exc, "jax is not installed (pip install jax)")
         for dtype in ("float64", "float32"):
-            yield Target("jax", "cpu", dtype, reason="jax is not installed (pip install jax)")
+            yield Target("jax", "cpu", dtype, reason=reason)
         return
     # float64 needs x64 mode; it is a process-wide switch of JAX's.
     jax.config.update("jax_enable_x64", True)
@@ -291,9 +310,9 @@ def _cupy_targets() -> Iterator[Target]:
                 reason = "CuPy found no CUDA device"
         except Exception as exc:  # CUDA driver/runtime missing or broken
             reason = f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})"
-    except ImportError:
+    except ImportError as exc:
         cupy = None
-        reason = "cupy is not installed (needs a CUDA GPU: pip install cupy-cuda12x)"
+        reason = _unavailable(exc, "cupy is not installed (needs a CUDA GPU: pip install cupy-cuda12x)")
     from array_api_compat import array_namespace
 
     for dtype in ("float64", "float32"):

@@ -50,6 +50,7 @@ from .testing import (
     Report,
     Result,
     Target,
+    _loaded,
     full_float32_matmuls,
     reference_gradients,
     relative_errors,
@@ -496,11 +497,8 @@ def _one_thread() -> Iterator[None]:
             pass
         else:
             stack.enter_context(threadpool_limits(limits=1))
-        try:
-            import torch
-        except ImportError:
-            pass
-        else:
+        torch = _loaded("torch")  # None when missing or broken (its targets are then skipped)
+        if torch is not None:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             stack.callback(torch.set_num_threads, threads)

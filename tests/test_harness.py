@@ -194,6 +194,25 @@ def test_targets_filters() -> None:
         targets(dtypes=["float16"])
 
 
+@pytest.mark.parametrize("backend", ["cupy", "array_api_strict"])
+def test_a_backend_whose_import_fails_otherwise_than_importerror_is_skipped_with_the_error(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed backend that cannot load (CuPy or torch without the CUDA libraries they link: an
+    ``OSError``) is an unavailable target whose reason is the error, as a missing one is; it was a
+    traceback out of ``targets()`` and ``fismo verify``."""
+    fake = tmp_path / backend
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise OSError("libcudart.so.12: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, backend, raising=False)
+    chosen = targets(backends=[backend])
+    assert chosen and all(not t.available for t in chosen)
+    assert {t.reason for t in chosen} == {
+        f"{backend} is installed but failed to import (OSError: libcudart.so.12: cannot open shared object file)"
+    }
+
+
 def test_full_float32_matmuls_pins_and_restores() -> None:
     torch = pytest.importorskip("torch")
     before = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
