@@ -488,6 +488,15 @@ def test_demo_out_that_is_a_file_is_a_usage_error(tmp_path: Path, capsys) -> Non
     assert exc.value.code == 2 and "--out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("option", "value", "repeated"),
+                         [("--tasks", "digits,text,digits", "task 'digits'"), ("--optimizers", "Muon,AdamW,Muon", "optimizer 'Muon'")])
+def test_demo_refuses_a_repeated_task_or_optimizer(option: str, value: str, repeated: str, capsys) -> None:
+    """``--tasks digits,digits`` trained (and reported) the task twice."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--quick", option, value])
+    assert exc.value.code == 2 and f"{repeated} is given more than once" in capsys.readouterr().err
+
+
 def test_cli_rejects_a_negative_seed(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main(["verify", "--steps", "1", "--seed", "-1"])

@@ -194,6 +194,10 @@ def default_config(
     else:
         plans = {"digits": _digits_plan(400), "text": _text_plan(300, TextTask())}
         n_seeds = 3
+    for kind, names in (("task", tasks), ("optimizer", optimizers or ())):
+        repeated = sorted({name for name in names if list(names).count(name) > 1})
+        if repeated:  # each would run (and be reported) twice
+            raise ValueError(f"{kind} {repeated[0]!r} is given more than once")
     chosen = []
     for name in tasks:
         if name not in plans:
