@@ -172,6 +172,12 @@ def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
     return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.full_like(amax, floor))))
 
 
+def _exact_dtype(xp: Any, A: Array) -> Array:
+    """``A`` as the exact decompositions take it: half precision (``eigh``, ``svd`` and ``eigvalsh`` exist
+    for float32 and float64 only, in LAPACK and cuSOLVER) cast to float32; other dtypes unchanged."""
+    return xp.astype(A, xp.float32) if xp.finfo(A.dtype).bits < 32 else A
+
+
 def _check_same_namespace_and_device(*arrays: Array) -> Any:
     """The common namespace of ``arrays``; a clear error if they mix libraries or devices."""
     try:
@@ -474,7 +480,9 @@ def polar(
         ``dtype``, and the result is returned in ``X``'s dtype. ``"bfloat16"``
         is how ``torch.optim.Muon`` runs its iteration. With ``"svd"`` a
         ``dtype`` other than ``None`` is a ``ValueError``: the exact path is
-        the reference and computes in ``X``'s dtype.
+        the reference and computes in ``X``'s dtype (float32 for a
+        half-precision ``X``, which no SVD takes; the result is rounded to
+        ``X``'s dtype).
     check:
         ``True`` (default): raise [`LinalgInputError`][fismo_core.linalg.LinalgInputError]
         if a matrix of ``X`` has a NaN or an infinity, naming its batch index
@@ -551,7 +559,7 @@ def polar(
     if method == "svd" and dtype is not None:
         raise ValueError(
             f"dtype={dtype!r} is the Newton–Schulz iteration dtype; method='svd' is exact and computes in "
-            "X's dtype: pass dtype=None"
+            "X's dtype (float32 for half precision): pass dtype=None"
         )
     # The arguments are checked before any value is read; steps and coefficients for "svd" too,
     # which ignores them (as "newton_schulz" validates rtol), so that a typo never passes silently.
@@ -561,12 +569,12 @@ def polar(
     if checked:
         _checks_can_run(xp, X, "X", "polar")
     if method == "svd":
-        U, S, Vh = xp.linalg.svd(X, full_matrices=False)
+        U, S, Vh = xp.linalg.svd(_exact_dtype(xp, X), full_matrices=False)
         if S.shape[-1] == 0:  # m or n is 0: nothing to cut
-            return U @ Vh
+            return xp.astype(U @ Vh, X.dtype, copy=False)
         cut = (default_polar_rtol(X) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
         keep = xp.astype(S > cut, U.dtype)  # 1 for s > rtol * s_max, else 0: U * 1 is U bit for bit
-        return (U * keep[..., None, :]) @ Vh
+        return xp.astype((U * keep[..., None, :]) @ Vh, X.dtype, copy=False)
     if X.shape[-1] == 0 or X.shape[-2] == 0:  # nothing to orthogonalise (and no max to take)
         return xp.zeros_like(X)
     transposed = X.shape[-2] > X.shape[-1]
@@ -605,7 +613,9 @@ def inverse_sqrt(
     A:
         Symmetric positive definite, shape ``(..., d, d)``, real floating.
     method:
-        ``"eigh"``: exact, ``V diag(w^{-1/2}) V^T`` from ``A = V diag(w) V^T``.
+        ``"eigh"``: exact, ``V diag(w^{-1/2}) V^T`` from ``A = V diag(w) V^T``
+        (computed in float32 for a half-precision ``A``, which no eigensolver
+        takes, and rounded to ``A``'s dtype).
         ``"newton_schulz"``: matmul-only, the coupled Newton–Schulz iteration
         (Higham, *Functions of Matrices*, 2008, eq. 6.35) with a polynomial
         schedule. With ``c = safety^2 ||A||_F`` (at least the largest
@@ -703,14 +713,12 @@ def inverse_sqrt(
         scaled = A / 2.0**exponent  # the checks hold at any scale
         _check_symmetric(xp, scaled, "inverse_sqrt")
     if method == "eigh":
-        w, V = xp.linalg.eigh(A)
+        w, V = xp.linalg.eigh(_exact_dtype(xp, A))
         if checked:
             _check_positive_definite(xp, A, w, "inverse_sqrt")
-        return (V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V)
+        return xp.astype((V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V), A.dtype, copy=False)
     if checked:  # one eigvalsh, the cost of the check on the matmul-only path
-        if xp.finfo(A.dtype).bits < 32:  # no half-precision eigensolvers (LAPACK, cuSOLVER): float32
-            scaled = xp.astype(scaled, xp.float32)
-        _check_positive_definite(xp, A, xp.linalg.eigvalsh(scaled), "inverse_sqrt")
+        _check_positive_definite(xp, A, xp.linalg.eigvalsh(_exact_dtype(xp, scaled)), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
     # The iteration runs on A / 4^j, 4^j <= max|A| < 4^(j+1) per matrix: its ||.||_F can neither
     # overflow nor underflow, and the root's factor 2^j is exact (bit for bit the unscaled iteration

@@ -41,7 +41,7 @@ from fismo_core.linalg import (
     trace_normalize,
     whiten,
 )
-from fismo_core.testing import Target, to_numpy
+from fismo_core.testing import Target, targets, to_numpy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -532,6 +532,31 @@ def test_polar_dtype_errors(target: Target) -> None:
             polar(x, dtype=bad)
     with pytest.raises(ValueError, match=r"method='svd' is exact and computes in X's dtype"):
         polar(x, method="svd", dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_exact_methods_take_half_precision_through_float32(dtype: str) -> None:
+    """No eigensolver or SVD takes float16 or bfloat16 (LAPACK, cuSOLVER: the backends raised their own
+    errors); the exact methods compute the half-precision input in float32 and round the result to its
+    dtype, which is the float32 result of the same (exactly representable) input rounded, bit for bit."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((3, 5, 4))
+    Q = np.linalg.qr(rng.standard_normal((3, 4, 4)))[0]
+    A = Q @ (np.linspace(1, 4, 4)[:, None] * np.swapaxes(Q, -1, -2))
+    A = (A + np.swapaxes(A, -1, -2)) / 2
+    for target in targets(dtypes=["float32"]):
+        if not target.available:
+            continue
+        half = getattr(target.xp, dtype, None)
+        if half is None:  # NumPy and array-api-strict have no bfloat16; array-api-strict no float16
+            continue
+        x_half, a_half = (target.xp.astype(target.asarray(v), half) for v in (X, A))
+        for got, exact in (
+            (polar(x_half, method="svd"), polar(target.xp.astype(x_half, target.xp.float32), method="svd")),
+            (inverse_sqrt(a_half), inverse_sqrt(target.xp.astype(a_half, target.xp.float32))),
+        ):
+            assert got.dtype == half, target.id
+            assert np.array_equal(to_numpy(got), to_numpy(target.xp.astype(exact, half))), target.id
 
 
 # --- inverse_sqrt ---------------------------------------------------------------------------------
