@@ -87,13 +87,19 @@ def all_finite(xp: Any, X: Array, axis: Any = None) -> Array:
     return xp.isfinite(xp.sum(X * 0, axis=axis))
 
 
-def check_finite(xp: Any, G: Array, W: Optional[Array] = None) -> None:
+def check_finite(xp: Any, G: Array, W: Optional[Array] = None, *, dtype: Any = None) -> None:
     """Raise before any state changes if ``G`` (or ``W``, when given) has a NaN or an infinity.
 
-    This reads one boolean back from the device (one synchronisation per
-    call, for both arrays). Inside a traced function (``jax.jit``) no value
-    can be read; the check is then left out, and non-finite values propagate.
+    ``dtype``: the state's, to which the step casts ``G``; ``G`` is checked
+    as cast (a float64 gradient beyond float32's range is infinite in a
+    float32 state). This reads one boolean back from the device (one
+    synchronisation per call, for both arrays). Inside a traced function
+    (``jax.jit``) no value can be read; the check is then left out, and
+    non-finite values propagate.
     """
+    given_dtype = G.dtype
+    if dtype is not None:
+        G = xp.astype(G, dtype, copy=False)
     finite = all_finite(xp, G)
     if W is not None:
         finite = finite & all_finite(xp, W)
@@ -110,6 +116,8 @@ def check_finite(xp: Any, G: Array, W: Optional[Array] = None) -> None:
         inf = int(xp.sum(xp.astype(xp.isinf(X), xp.int32)))
         counts = f"{nan} NaN, {inf} infinite of {math.prod(X.shape)} entries"
         if name == "G":
+            if G.dtype != given_dtype:
+                counts += f" once cast from {given_dtype} to the state's dtype {G.dtype}, whose range it exceeds"
             raise ValueError(
                 f"G contains NaN or infinite values ({counts}); the step was not taken and the state is unchanged "
                 "(check the loss and the gradient computation, or use FISMO(nonfinite='skip') to skip such steps)"

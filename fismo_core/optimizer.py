@@ -810,7 +810,7 @@ class FISMO:
         """
         xp = _check_call(G, state, self.block_size)
         if self.nonfinite == "raise":
-            guards.check_finite(xp, G)
+            guards.check_finite(xp, G, dtype=state.M.dtype)
         refresh = self._refresh_roots(state, refresh_roots)
         step = self._settle(xp, G, state, self._guarded_step(xp, G, state, refresh, repair=False), refresh)
         return step.result.direction, step.result.state
@@ -931,7 +931,7 @@ class FISMO:
         if not found:
             return step
         if faults.nonfinite is not None:
-            guards.check_finite(xp, G)  # raises, saying what and how many, when G has a NaN or an infinity
+            guards.check_finite(xp, G, dtype=state.M.dtype)  # raises, saying what and how many
         # A root failed its check: this step again, with the fault handling of InverseRootConfig.
         return self._guarded_step(xp, G, state, refresh, repair=True)
 
@@ -984,7 +984,7 @@ class FISMO:
                 f"would give {state_dtype(xp, W.dtype)} (was the state built for another parameter?)"
             )
         if self.nonfinite == "raise":
-            guards.check_finite(xp, G, W=W)
+            guards.check_finite(xp, G, W=W, dtype=state.M.dtype)
         refresh = self._refresh_roots(state, None)
         step = self._settle(xp, G, state, self._guarded_step(xp, G, state, refresh, repair=False), refresh)
         direction, new_state = step.result.direction, step.result.state

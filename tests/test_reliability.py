@@ -169,6 +169,30 @@ def test_raise_policy_says_what_and_how_many() -> None:
         opt.step(W, G, opt.init(W))
 
 
+def test_raise_policy_checks_the_gradient_as_cast_to_the_state_dtype() -> None:
+    """A float64 gradient beyond float32's range is finite but infinite once cast to a float32 state:
+    every entry point refused it under ``"raise"`` before (the check read the float64 ``G``) and took a
+    NaN step with no error; under ``"skip"`` it is skipped."""
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((4, 3)).astype(np.float32)
+    G = rng.standard_normal((4, 3))
+    G[0, 0] = 1e39  # float32's largest is 3.4e38
+    opt = FISMO()
+    state = opt.init(W)
+    match = r"0 NaN, 1 infinite of 12 entries once cast from float64 to the state's dtype float32"
+    with np.errstate(over="ignore", invalid="ignore"):  # NumPy warns of the overflowing cast (and skip's inf * 0)
+        with pytest.raises(ValueError, match=match):
+            opt.step(W, G, state)
+        with pytest.raises(ValueError, match=match):
+            opt.direction(G, state)
+        result = opt.direction_with_faults(G, state)
+        assert bool(result.faults.nonfinite)
+        with pytest.raises(ValueError, match=match):
+            opt.settle(G, state, result)
+        W_skip, state_skip = FISMO(nonfinite="skip").step(W, G, state)
+    assert np.array_equal(W_skip, W) and int(state_skip.skipped) == 1
+
+
 def test_propagate_policy_does_not_check() -> None:
     """``nonfinite="propagate"`` reads nothing back: NaN reaches the matrix functions. NumPy's and
     torch's eigh then raise their LinAlgError (before any state changes: the core is functional);
