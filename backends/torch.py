@@ -359,6 +359,10 @@ class FISMO(Optimizer):
                 if placement is not None and placement.distributed and state:
                     saved["state"][index] = exported_state(p, group, placement, state)
                 index += 1
+        # In parameter order: the base class packs self.state in insertion order, which differs between
+        # ranks (owners create a matrix's state when computing it, the others when applying), and
+        # get_state_dict(full_state_dict=True) gathers each DTensor in this order, a collective per tensor.
+        saved["state"] = dict(sorted(saved["state"].items()))
         return saved
 
     @torch.no_grad()

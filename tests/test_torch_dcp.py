@@ -92,6 +92,22 @@ def _load(model, opt, path: Path) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _save_consolidated(model, opt, rank: int, path: Path) -> None:
+    """One whole checkpoint on rank 0: ``get_state_dict`` with ``full_state_dict=True`` gathers every
+    state tensor, a collective per tensor in the order of ``opt.state_dict()["state"]``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt, options=_full_options())
+    if rank == 0:
+        torch.save({"model": model_sd, "optim": optim_sd}, path)
+
+
 def _batch(rank: int, world: int):
     X, Y = _data()
     return X.chunk(world)[rank], Y.chunk(world)[rank]
@@ -106,6 +122,7 @@ def _first(rank: int, world: int, ckpt: Path) -> dict:
     opt = _optimizer(model)
     _train(model, opt, X, Y, range(RESUME_AT))
     _save(model, opt, ckpt / "fsdp2-2")
+    _save_consolidated(model, opt, rank, ckpt / "fsdp2-2-full.pt")
     model, net = _ddp()
     opt = _optimizer(model, process_group=dist.group.WORLD)
     _train(net, opt, X, Y, range(RESUME_AT))
@@ -242,6 +259,27 @@ def test_resume_in_one_process(runs, single_process, name):
     torch.set_num_threads(1)
     try:
         _load(model, opt, runs["tmp"] / "ckpt" / name)
+        X, Y = _data()
+        _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    finally:
+        torch.set_num_threads(before)
+    assert _worst([p.detach() for p in model.parameters()], single_process) <= TOL
+
+
+def test_a_consolidated_checkpoint_resumes_in_one_process(runs, single_process):
+    """``get_state_dict(full_state_dict=True, cpu_offload=True)`` on 2 FSDP2 ranks aborted the processes
+    (gloo: "Received data size doesn't match expected size"): ``opt.state_dict()`` listed the states in
+    each rank's insertion order, so the ranks gathered different tensors at once. Now in parameter order."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    saved = torch.load(runs["tmp"] / "ckpt" / "fsdp2-2-full.pt", weights_only=True)
+    model = _model()
+    opt = _optimizer(model)
+    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
+                   options=_full_options())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         X, Y = _data()
         _train(model, opt, X, Y, range(RESUME_AT, STEPS))
     finally:
