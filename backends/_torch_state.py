@@ -412,6 +412,12 @@ def _decide(param_groups: list, checks: list) -> set:
         if bool(torch.isfinite(g).all()):  # the gradient is fine: the parameter itself is damaged
             local = local_tensor(p.detach())
             nan, inf = int(torch.isnan(local).sum()), int(torch.isinf(local).sum())
+            if is_dtensor(p) and nan == inf == 0:  # the flag was reduced over the shard group
+                raise ValueError(
+                    f"the gradient of {label}, or the parameter itself, has a NaN or an infinity in another "
+                    "rank's shard (this rank's shards of both are finite; that rank's error says which); FISMO "
+                    "took no step: every parameter, every state and every step count is as it was"
+                )
             raise ValueError(
                 f"the {label} contains {nan} NaN and {inf} infinite values: it was damaged before this step "
                 "(an earlier step diverged, or it was loaded so); FISMO took no step and every state is as it "

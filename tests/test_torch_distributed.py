@@ -155,6 +155,34 @@ def _run_fsdp2(rank: int, X, Y) -> dict:
     }
 
 
+def _run_nan_in_one_shard(rank: int, X, Y) -> dict:
+    """FSDP2, ``nonfinite="raise"``: a NaN in rank 1's shard of a gradient. Every rank refuses the step;
+    what each rank's error says, and whether anything changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _model()
+    for module in model:
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module, mesh=mesh)
+    model = fully_shard(model, mesh=mesh)
+    opt = _optimizer(model)
+    _train(model, opt, X, Y, range(1))
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(X), Y).backward()
+    if rank == 1:
+        list(model.parameters())[2].grad.to_local()[0, 0] = float("nan")
+    before = [_full(p) for p in model.parameters()]
+    try:
+        opt.step()
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    changed = any(not torch.equal(a, _full(b)) for a, b in zip(before, model.parameters()))
+    return {"error": error, "changed": changed}
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -164,7 +192,8 @@ def _worker(rank: int, store: str, out: str) -> None:
     try:
         X, Y = _data()
         X, Y = X.chunk(WORLD)[rank], Y.chunk(WORLD)[rank]  # each rank its half of the batch
-        results = {"ddp": _run_ddp(rank, X, Y), "fsdp2": _run_fsdp2(rank, X, Y)}
+        results = {"ddp": _run_ddp(rank, X, Y), "fsdp2": _run_fsdp2(rank, X, Y),
+                   "nan in one shard": _run_nan_in_one_shard(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -227,6 +256,17 @@ def test_ranks_agree_and_equal_the_single_process_run(runs, single_process, mode
         assert torch.equal(a, b)
     worst = max(_rel(a, b) for a, b in zip(first["params"], single_process))
     assert worst <= 1e-10, worst
+
+
+def test_a_nan_in_one_shard_is_refused_on_every_rank_with_what_each_rank_knows(runs):
+    """The finiteness flags are reduced over the shard group, so every rank refuses the step; the rank
+    whose shards are finite said its parameter "was damaged before this step" (false): it now says the
+    NaN or infinity is in another rank's shard, and the rank holding it names the gradient."""
+    first, second = (r["nan in one shard"] for r in runs)
+    assert not first["changed"] and not second["changed"]
+    assert "has a NaN or an infinity in another rank's shard" in first["error"]
+    assert "damaged" not in first["error"]
+    assert "contains 1 NaN and 0 infinite values (of 128 entries on this rank)" in second["error"]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
