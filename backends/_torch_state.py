@@ -166,6 +166,8 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
                 "were the groups saved in another order, or by another optimizer?"
             )
         if algorithm != "fismo":
+            for i, (index, p) in enumerate(zip(saved_group["params"], group["params"])):
+                _check_adamw_layout(saved_state.get(index) or {}, p, param_name(group, i, gi))
             continue
         block_size, saved_block_size = group.get("block_size"), saved_group.get("block_size")
         if saved_block_size != block_size:
@@ -179,6 +181,20 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
             if not saved:
                 continue
             _check_through_core(saved, p, block_size, param_name(group, i, gi))
+
+
+def _check_adamw_layout(saved: dict, p: torch.Tensor, name: str) -> None:
+    """An AdamW state saved in another layout (a plain tensor for a ``DTensor`` parameter, or the reverse)
+    loads, and ``torch.optim.AdamW``'s step then fails on it after the FISMO groups have stepped."""
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor) and value.ndim and is_dtensor(value) != is_dtensor(p):
+            kind = {True: "a DTensor", False: "a plain tensor"}
+            raise ValueError(
+                f"the checkpoint's AdamW state {key!r} for {name} is {kind[is_dtensor(value)]}, but the "
+                f"parameter is {kind[is_dtensor(p)]}: a per-rank state_dict resumes in the layout it was saved "
+                "in. To change layouts (one process, DDP, FSDP2, tensor parallelism) save and load with "
+                "torch.distributed.checkpoint (get_state_dict / set_state_dict, see docs/torch.md)"
+            )
 
 
 def _check_through_core(saved: dict, p: torch.Tensor, block_size: Optional[int], name: str) -> None:

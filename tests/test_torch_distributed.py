@@ -9,6 +9,7 @@ process group has a timeout, and a hung run is killed.
 from __future__ import annotations
 
 import io
+import copy
 import os
 import time
 from datetime import timedelta
@@ -335,3 +336,34 @@ def test_unsupported_dtensor_layouts_are_refused_with_what_is_supported(one_rank
     for supported in ("FSDP2", "HSDP", "ColwiseParallel", "RowwiseParallel", "'adamw' group"):
         assert supported in message, message
     FISMO([{"params": [w], "algorithm": "adamw"}], lr=0.02)  # AdamW takes any layout
+
+
+def test_an_adamw_state_of_another_layout_is_refused_at_load(one_rank_group):
+    """A per-rank state_dict saved in one process, loaded into an optimizer of FSDP2-sharded
+    (``DTensor``) parameters, loaded without a word, and the next step failed inside the AdamW group
+    (``aten.lerp_`` of a ``DTensor`` and a tensor) after the FISMO groups had stepped. It is refused at
+    ``load_state_dict``, before anything changes, with the way to change layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fismo_core.backends.torch import FISMO
+
+    def build(sharded: bool):
+        gen = torch.Generator().manual_seed(0)
+        W, b = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+        if sharded:
+            mesh = init_device_mesh("cpu", (1,))
+            W, b = (DTensor.from_local(t, mesh, [Shard(0)]) for t in (W, b))
+        W, b = torch.nn.Parameter(W), torch.nn.Parameter(b)
+        return [W, b], FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
+
+    plain, plain_opt = build(sharded=False)
+    for p in plain:
+        p.grad = torch.ones_like(p)
+    plain_opt.step()
+    sharded, opt = build(sharded=True)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"AdamW state 'exp_avg' for .* is a plain tensor, but the parameter is "
+                                         r"a DTensor.*get_state_dict / set_state_dict"):
+        opt.load_state_dict(plain_opt.state_dict())
+    assert opt.state_dict() == before
