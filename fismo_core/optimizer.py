@@ -324,13 +324,16 @@ class FISMOState(NamedTuple):
         d:
             A mapping (a dict, or what ``np.load`` returns for an ``.npz``
             file) with the keys ``to_dict`` writes. The counters ``skipped``
-            and ``root_failures`` may be missing (they are then 0), and so
-            may ``block_size`` (a state of format 1, before blocks existed).
+            and ``root_failures`` may be missing (they are then 0) or one
+            count for the whole batch (0-d, as a state built by hand holds),
+            and ``block_size`` may be missing (a state of format 1, before
+            blocks existed).
         like:
             The parameters ``W`` ``(..., m, n)`` the state belongs to (or any
             array of that shape and dtype, on the wanted library and device).
         block_size:
-            The ``block_size`` of the optimizer that will use the state.
+            The ``block_size`` of the optimizer that will use the state
+            (``None`` or a positive integer, as ``FISMO(block_size=...)``).
 
         Raises
         ------
@@ -349,8 +352,9 @@ class FISMOState(NamedTuple):
             keys = set(d.keys())
         except AttributeError:
             raise TypeError(f"d must be a mapping such as FISMOState.to_dict() returns, got {type(d).__name__}") from None
-        if _FORMAT_KEY in keys and int(d[_FORMAT_KEY]) not in (1, _FORMAT):
-            raise ValueError(f"unknown FISMO state format {int(d[_FORMAT_KEY])}; this version reads formats 1 and 2")
+        block_size = linalg._check_integer("block_size", block_size, none_means="full factors")
+        if _FORMAT_KEY in keys and _saved_integer(d[_FORMAT_KEY], _FORMAT_KEY) not in (1, _FORMAT):
+            raise ValueError(f"unknown FISMO state format {d[_FORMAT_KEY]!r}; this version reads formats 1 and 2")
         *batch, m, n = like.shape
         structures = {"P": factor_structure(m, block_size), "Q": factor_structure(n, block_size)}
         structures["P_inv_sqrt"], structures["Q_inv_sqrt"] = structures["P"], structures["Q"]
@@ -394,16 +398,14 @@ class FISMOState(NamedTuple):
                 fields[name] = xp.zeros(tuple(batch), dtype=xp.int32, device=dev)
                 continue
             x = xp.asarray(d[name], device=dev)
-            if tuple(x.shape) != tuple(batch) or not xp.isdtype(x.dtype, "integral"):
+            # One count for the whole batch (0-d) is what a state built by hand holds (the field's default 0).
+            if tuple(x.shape) not in ((), tuple(batch)) or not xp.isdtype(x.dtype, "integral"):
                 raise ValueError(
                     f"state.{name} must be an integer array of shape {tuple(batch)} (the batch shape of "
-                    f"{tuple(like.shape)}), got {x.dtype} of shape {tuple(x.shape)}"
+                    f"{tuple(like.shape)}) or (), got {x.dtype} of shape {tuple(x.shape)}"
                 )
-            fields[name] = xp.astype(x, xp.int32)
-        step = d["step"]
-        if getattr(step, "shape", ()) != () or not float(step) == int(step) or int(step) < 0:
-            raise ValueError(f"state step must be an integer >= 0, got {step!r}")
-        return cls(step=int(step), **fields)
+            fields[name] = xp.astype(xp.broadcast_to(x, tuple(batch)), xp.int32)
+        return cls(step=_saved_integer(d["step"], "step"), **fields)
 
 
 _FACTOR_FIELDS = ("P", "Q", "P_inv_sqrt", "Q_inv_sqrt")
@@ -412,9 +414,23 @@ _FORMAT_KEY = "fismo_state_format"
 _FORMAT = 2
 
 
+def _saved_integer(value: Any, key: str) -> int:
+    """A saved count (``step``, ``block_size``, the format) as an ``int``: a number or a 0-d array of an
+    integer value >= 0 (``torch.optim`` keeps step counts as float tensors), else a ``ValueError`` naming it."""
+    try:
+        integral = not isinstance(value, (bool, str, bytes)) and getattr(value, "shape", ()) == ()
+        integral = integral and "bool" not in str(getattr(value, "dtype", ""))  # a 0-d bool array (any library)
+        integral = integral and float(value) == int(value) and int(value) >= 0
+    except (TypeError, ValueError, OverflowError):  # None, NaN, infinity, an object
+        integral = False
+    if not integral:
+        raise ValueError(f"state {key} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
 def _check_block_size(d: Any, keys: set, expected: int, block_size: Optional[int], shape: tuple) -> None:
     """A state saved with another ``block_size`` is refused, naming both values (``expected``: `state_block_size`)."""
-    saved = int(d["block_size"]) if "block_size" in keys else 0
+    saved = _saved_integer(d["block_size"], "block_size") if "block_size" in keys else 0
     if saved != expected:
         def say(b: int) -> str:
             return f"block_size={b}" if b else "no side split into blocks (block_size=None, or >= both sides)"

@@ -141,16 +141,55 @@ def _saved(shape=SHAPE, dtype=np.float64) -> dict:
         (lambda d: {**d, "step": 2.5}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got 2\.5"),
         (lambda d: {**d, "step": -1}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0"),
         (lambda d: {**d, "fismo_state_format": 99}, np.zeros(SHAPE), ValueError, r"unknown FISMO state format 99"),
+        # Each of these was a raw TypeError / OverflowError, or loaded (True, '3', 2.5 as the format, 0.5 blocks).
+        (lambda d: {**d, "step": math.inf}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got inf"),
+        (lambda d: {**d, "step": math.nan}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got nan"),
+        (lambda d: {**d, "step": None}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got None"),
+        (lambda d: {**d, "step": True}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got True"),
+        (lambda d: {**d, "step": np.asarray(True)}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0"),
+        (lambda d: {**d, "step": "3"}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got '3'"),
+        (lambda d: {**d, "fismo_state_format": 2.5}, np.zeros(SHAPE), ValueError,
+         r"fismo_state_format must be an integer >= 0, got 2\.5"),
+        (lambda d: {**d, "fismo_state_format": None}, np.zeros(SHAPE), ValueError,
+         r"fismo_state_format must be an integer >= 0, got None"),
+        (lambda d: {**d, "block_size": 0.5}, np.zeros(SHAPE), ValueError, r"block_size must be an integer >= 0, got 0\.5"),
         (lambda d: list(d.items()), np.zeros(SHAPE), TypeError, r"d must be a mapping"),
         (lambda d: d, [[0.0]], TypeError, r"like must be an array"),
         (lambda d: d, np.zeros(SHAPE, np.int64), TypeError, r"like must have a real floating dtype"),
     ],
     ids=["other-n", "unbatched", "dtype", "missing-M", "missing-step", "extra-key", "counter-shape",
-         "counter-dtype", "fractional-step", "negative-step", "format", "not-a-mapping", "like-list", "like-int"],
+         "counter-dtype", "fractional-step", "negative-step", "format", "inf-step", "nan-step", "none-step",
+         "bool-step", "numpy-bool-step", "string-step", "fractional-format", "none-format", "fractional-block-size",
+         "not-a-mapping", "like-list", "like-int"],
 )
 def test_state_that_does_not_fit_is_refused(edit, like, exc, match) -> None:
     with pytest.raises(exc, match=match):
         FISMOState.from_dict(edit(_saved()), like=like)
+
+
+@pytest.mark.parametrize("block_size", [True, 0, "2", 2.0])
+def test_the_block_size_argument_is_checked_as_fismo_checks_it(block_size) -> None:
+    """``from_dict(..., block_size=...)`` said "block_size=True means block_size=True" or raised a raw
+    TypeError; it takes the rule of ``FISMO(block_size=...)``."""
+    with pytest.raises(ValueError, match=r"block_size must be None \(full factors\) or a positive integer"):
+        FISMOState.from_dict(_saved(), like=np.zeros(SHAPE), block_size=block_size)
+
+
+def test_a_hand_built_batched_state_round_trips() -> None:
+    """A state built from its first six fields keeps the counter ``skipped`` a Python 0 for a whole batch
+    (the default policy never writes it); ``from_dict(to_dict())`` refused that 0-d counter for a batch."""
+    rng = np.random.default_rng(0)
+    W, G = rng.standard_normal(SHAPE), rng.standard_normal(SHAPE)
+    opt = FISMO()
+    s0 = opt.init(W)
+    hand = FISMOState(s0.P, s0.Q, s0.M, s0.P_inv_sqrt, s0.Q_inv_sqrt, 0)
+    W1, s1 = opt.step(W, G, hand)
+    back = FISMOState.from_dict(s1.to_dict(), like=W1)
+    assert back.skipped.dtype == np.int32 and back.skipped.tolist() == [0, 0]
+    G2 = rng.standard_normal(SHAPE)
+    W2, _ = opt.step(W1, G2, s1)
+    W2_back, _ = opt.step(W1, G2, back)
+    assert np.array_equal(W2, W2_back)
 
 
 def test_counters_may_be_missing() -> None:
