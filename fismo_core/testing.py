@@ -112,24 +112,29 @@ def to_numpy(x: Any) -> Any:
 
     Copies from a device if needed. 0-d arrays and scalars (``xp.mean(x)`` is a
     ``numpy.float64`` on NumPy) come back as 0-d arrays. Integer and boolean
-    arrays are widened exactly (integers up to 2**53).
+    arrays are widened exactly (integers up to 2**53); complex arrays come
+    back as complex128 (their imaginary part kept).
     """
     import numpy as np
 
     if isinstance(x, (np.ndarray, np.generic)) or type(x) in _PYTHON_NUMBERS:
-        return np.asarray(x, dtype=np.float64)
+        return np.asarray(x, dtype=np.complex128 if np.iscomplexobj(x) else np.float64)
     module = type(x).__module__.split(".")[0]
     if module == "cupy":
-        return np.asarray(x.get(), dtype=np.float64)
+        host = x.get()
+        return np.asarray(host, dtype=np.complex128 if np.iscomplexobj(host) else np.float64)
     if module == "torch":
         import torch
 
-        return x.detach().to(device="cpu", dtype=torch.float64).numpy()
+        wide = torch.complex128 if torch.is_complex(x) else torch.float64
+        return x.detach().to(device="cpu", dtype=wide).numpy()
     # JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack, which
     # knows no bfloat16: widen narrow floats to float32 and integers to float64 first (both exact).
     from array_api_compat import array_namespace
 
     xp = array_namespace(x)
+    if xp.isdtype(x.dtype, "complex floating"):
+        return np.asarray(np.from_dlpack(x), dtype=np.complex128)
     if x.dtype not in (xp.float32, xp.float64):
         x = xp.astype(x, xp.float32 if xp.isdtype(x.dtype, "real floating") else xp.float64)
     return np.asarray(np.from_dlpack(x), dtype=np.float64)
@@ -407,7 +412,7 @@ def max_relative_error(got: Any, reference: Any) -> float:
     """
     import numpy as np
 
-    got, reference = to_numpy(got), np.asarray(reference, dtype=np.float64)
+    got, reference = to_numpy(got), to_numpy(np.asarray(reference))
     if got.shape != reference.shape:
         raise ValueError(f"shape {got.shape} does not match the reference's {reference.shape}")
     return float(np.max(relative_errors(got, reference), initial=0.0))
@@ -417,15 +422,23 @@ def relative_errors(got: Any, reference: Any) -> Any:
     """The relative Frobenius error of each matrix (last two axes) as a NumPy array of the batch shape.
 
     For arrays of fewer than two dimensions, one error (a 0-d array). NaN or
-    infinity in ``got`` gives ``inf``.
+    infinity in ``got`` gives ``inf``. Complex arrays are compared by modulus.
+    Both arrays are first divided by the power of two of their largest
+    entry, per matrix (exact), so the sums of squares neither overflow nor
+    underflow at any scale (1e-170 or 1e200 in float64).
     """
     import numpy as np
 
-    got = np.asarray(got, dtype=np.float64)
-    reference = np.asarray(reference, dtype=np.float64)
+    got, reference = to_numpy(got), to_numpy(reference)
     axes = (-2, -1) if reference.ndim >= 2 else None
-    diff = np.sqrt(np.sum(np.square(got - reference), axis=axes))
-    scale = np.sqrt(np.sum(np.square(reference), axis=axes))
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite got: an inf error, below
+        amax = np.maximum(np.max(np.abs(got), axis=axes, keepdims=True, initial=0.0),
+                          np.max(np.abs(reference), axis=axes, keepdims=True, initial=0.0))
+        exponent = np.frexp(np.where(np.isfinite(amax) & (amax > 0), amax, 1.0))[1]
+        factor = np.ldexp(1.0, -exponent)  # ldexp takes no complex arrays; a power of two multiplies exactly
+        got, reference = got * factor, reference * factor
+        diff = np.sqrt(np.sum(np.square(np.abs(got - reference)), axis=axes))
+        scale = np.sqrt(np.sum(np.square(np.abs(reference)), axis=axes))
     err = diff / np.where(scale > 0, scale, 1.0)
     return np.where(np.isfinite(err), err, np.inf)
 

@@ -30,6 +30,7 @@ from fismo_core.testing import (
     Target,
     check_backends,
     full_float32_matmuls,
+    max_relative_error,
     targets,
     to_numpy,
 )
@@ -182,6 +183,38 @@ def test_tolerances_are_per_dtype_and_overridable() -> None:
     assert [r.passed for r in strict] == [True, False]
     with pytest.raises(ValueError, match="no tolerance for dtype 'float32'"):
         check_backends(noisy, X, targets=numpy_targets, tolerances={"float64": 1e-10})
+
+
+@pytest.mark.parametrize("scale", [1e-170, 1.0, 1e200])
+def test_max_relative_error_holds_at_any_scale(scale: float) -> None:
+    """The sums of squares underflowed below ~1e-154 (a wrong tiny output had error 0 and passed) and
+    overflowed above ~1e154 (a one-ulp difference was inf and failed); the error is scale-free."""
+    reference = np.array([[1.0, -2.0], [0.5, 3.0]]) * scale
+    assert max_relative_error(2 * reference, reference) == 1.0
+    one_ulp = reference.copy()
+    one_ulp[1, 1] = np.nextafter(one_ulp[1, 1], np.inf)
+    assert 0 < max_relative_error(one_ulp, reference) < 2 * np.finfo(np.float64).eps
+    assert max_relative_error(np.array([[np.nan, 0.0], [0.0, 0.0]]), reference) == math.inf
+
+
+def test_complex_outputs_are_compared_with_their_imaginary_part() -> None:
+    """``to_numpy`` cast complex to float64, dropping the imaginary part: a conjugated output passed
+    (error 0) on torch and NumPy. Complex arrays are now compared by modulus."""
+    assert max_relative_error(np.array([[1 + 5j]]), np.array([[1.0]])) == 5.0
+    assert to_numpy(np.array([1 - 2j])).dtype == np.complex128
+
+    def conjugated_off_numpy(x):
+        xp = array_namespace(x)
+        z = xp.astype(x, xp.complex128) * (1 + 1j)
+        return z if is_numpy_namespace(xp) else xp.conj(z)
+
+    x = np.random.default_rng(0).standard_normal((3, 3))
+    report = check_backends(conjugated_off_numpy, x, targets=targets(dtypes=["float64"]), out_dtypes="complex128")
+    ran = [r for r in report if r.error is not None]
+    numpy_rows = [r for r in ran if r.target.backend == "numpy"]
+    others = [r for r in ran if r.target.backend != "numpy"]
+    assert numpy_rows and all(r.error == 0.0 for r in numpy_rows)
+    assert others and all(r.error == pytest.approx(math.sqrt(2)) for r in others), [(r.target.id, r.error) for r in others]
 
 
 def test_targets_filters() -> None:
