@@ -58,9 +58,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if marker is not None and marker.args:  # would otherwise be ignored: every target would run
             raise TypeError(f"array_targets takes keywords only (backends=[...], dtypes=[...]), got {marker.args!r}")
         options = dict(marker.kwargs) if marker is not None else {}
+        unknown = sorted(set(options) - {"backends", "dtypes"})
+        if unknown:  # a typo (backend=...) would otherwise be ignored: every target would run
+            raise TypeError(f"array_targets takes backends=[...] and dtypes=[...], got unknown keywords {unknown}")
         dtypes = options.get("dtypes")
         if only is not None:
             dtypes = [d for d in (dtypes or only) if d in only]
+            if not dtypes:  # array_target64 with dtypes=["float32"]: an empty parametrisation, silently
+                raise ValueError(f"the {name} fixture holds {only} targets only; the marker asks for {options['dtypes']}")
         selected = targets(backends=options.get("backends"), dtypes=dtypes)
         metafunc.parametrize(name, target_params(selected), indirect=True)
 

@@ -659,6 +659,27 @@ def test_plugin_refuses_a_positional_marker_argument(pytester: pytest.Pytester) 
     result.stdout.fnmatch_lines(["*array_targets takes keywords only*"])
 
 
+@pytest.mark.parametrize(("marker", "fixture", "error"), [
+    ('array_targets(backend=["numpy"])', "array_target", "*unknown keywords ?'backend'?*"),
+    ('array_targets(dtypes=["float32"])', "array_target64", "*holds ('float64',) targets only*"),
+])
+def test_plugin_refuses_a_marker_it_would_ignore(pytester: pytest.Pytester, marker: str, fixture: str, error: str) -> None:
+    """A misspelt keyword (``backend=``) ran every target; ``array_target64`` asked for float32 gave an
+    empty parametrisation (one ``[NOTSET]`` skip): both are now collection errors saying why."""
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.{marker}
+        def test_some({fixture}):
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "fismo_core.pytest_plugin", "-q")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([error])
+
+
 def test_targets_refuses_a_single_string() -> None:
     """``targets(backends="numpy")`` was split into characters ("unknown backend 'n'")."""
     with pytest.raises(TypeError, match=r"backends must be a list of names, not the string 'numpy'"):
