@@ -719,8 +719,10 @@ class FISMO:
     def init(self, W: Array, *, name: str = "W") -> FISMOState:
         """Initial state for parameters ``W`` ``(..., m, n)``: ``P_0 = I``, ``Q_0 = I``, ``M_0 = 0``.
 
-        The state's dtype is ``W``'s if it is float32 or wider, float32 otherwise
-        (statistics of bf16/fp16 parameters are kept in float32); its device
+        The state's dtype is ``W``'s if it is float32 or float64, float32 for
+        narrower ``W`` (statistics of bf16/fp16 parameters are kept in
+        float32) and float64 for wider (NumPy's long double, which no
+        eigensolver takes): `state_dtype`. Its device
         and namespace are ``W``'s. With ``block_size``, a side longer than it
         keeps only its diagonal blocks (identity blocks here).
 
@@ -1125,9 +1127,10 @@ def state_dtype(xp: Any, dtype: Any) -> Any:
 
     float64 stays float64; float32 and anything narrower (bfloat16, float16)
     get float32 statistics, so P, Q and their roots never lose precision to
-    the parameters' format.
+    the parameters' format; anything wider (NumPy's long double) float64,
+    the widest dtype the decompositions take.
     """
-    return xp.float64 if dtype == xp.float64 else xp.float32
+    return xp.float64 if dtype == xp.float64 or xp.finfo(dtype).bits > 64 else xp.float32
 
 
 # ------------------------------------------------------------ rules the adapters share

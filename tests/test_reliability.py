@@ -976,6 +976,23 @@ def test_state_of_another_dtype_is_rejected() -> None:
         opt.step(W64, np.ones((3, 4)), opt.init(W32))
 
 
+@pytest.mark.skipif(np.finfo(np.longdouble).bits <= 64, reason="NumPy's long double is float64 on this platform")
+def test_long_double_parameters_keep_float64_statistics() -> None:
+    """``init``'s docstring promised ``W``'s dtype for float32 or wider, but NumPy's long double got
+    float32 statistics; they are float64 (no eigensolver takes long double), and the direction is the
+    float64 one."""
+    rng = np.random.default_rng(0)
+    W, G = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    opt = FISMO()
+    state = opt.init(W.astype(np.longdouble))
+    assert state.M.dtype == np.float64
+    W_ld, state_ld = opt.step(W.astype(np.longdouble), G.astype(np.longdouble), state)
+    W_64, state_64 = opt.step(W, G, opt.init(W))
+    assert W_ld.dtype == np.longdouble and np.array_equal(state_ld.M, state_64.M)
+    # line 9 in long double, of the same float64 direction: within float64's rounding of W_64
+    assert np.allclose(np.asarray(W_ld, dtype=np.float64), W_64, rtol=0, atol=4 * np.finfo(np.float64).eps)
+
+
 def test_hand_built_states_still_work() -> None:
     """``FISMOState`` built from the first six fields (counters default to 0) steps and skips."""
     opt = FISMO(nonfinite="skip")
