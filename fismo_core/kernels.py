@@ -58,7 +58,12 @@ class KernelSet:
         return env
 
     def assignments(self) -> str:
-        """The variables as ``NAME=value`` words (the XLA flag as one ``XLA_FLAGS=...`` word)."""
+        """The variables as ``NAME=value`` words (the XLA flag as one ``XLA_FLAGS=...`` word).
+
+        For ``env $words cmd``, which splits on spaces: the ``XLA_FLAGS`` word
+        replaces the environment's ``XLA_FLAGS``, where `environ` appends the
+        flag to it.
+        """
         words = [f"{k}={v}" for k, v in self.env.items()]
         if self.xla_isa is not None:
             words.append(f"XLA_FLAGS=--xla_cpu_max_isa={self.xla_isa}")
@@ -106,8 +111,12 @@ def runnable(kernel_set: KernelSet, flags: Optional[frozenset[str]] = None) -> b
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print the forced kernel sets this CPU can run, one per line: ``name VAR=value ...``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m fismo_core.kernels [--all]   (--all: the native set too)"
+    if args in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if args not in ([], ["--all"]):
-        print("usage: python -m fismo_core.kernels [--all]   (--all: the native set too)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     for ks in KERNEL_SETS:
         if (ks.env or args) and runnable(ks):

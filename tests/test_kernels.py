@@ -75,6 +75,8 @@ def test_main_prints_one_line_per_runnable_forced_set(capsys) -> None:
         assert {k: v for k, v in words.items() if k != "XLA_FLAGS"} == dict(ks.env)
         assert words["XLA_FLAGS"] == f"--xla_cpu_max_isa={ks.xla_isa}"
     assert main(["--bogus"]) == 2
+    capsys.readouterr()
+    assert main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m fismo_core.kernels")
 
 
 @pytest.mark.skipif(not cpu_flags(), reason="no /proc/cpuinfo: the CPU's flags are unknown here")
