@@ -80,7 +80,8 @@ class PolarConfig:
     def __post_init__(self) -> None:
         if self.method not in ("newton_schulz", "svd"):
             raise ValueError(f"unknown polar method {self.method!r}: use 'newton_schulz' or 'svd'")
-        linalg.newton_schulz_schedule(self.coefficients, self.steps)  # validates both
+        object.__setattr__(self, "steps", linalg._check_integer("polar steps", self.steps))  # a Python int
+        linalg.newton_schulz_schedule(self.coefficients, self.steps)  # validates the coefficients
         if not (isinstance(self.coefficients, str)):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
         object.__setattr__(self, "eps", _check_real("polar eps", self.eps, 0.0, low_open=True))
@@ -477,7 +478,11 @@ def _as_config(value: Any, config_type: type, name: str) -> Any:
 
 
 def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    try:  # an int beyond float's range (10**400) raises OverflowError in isfinite
+        finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
         raise ValueError(f"{name} must be a finite real number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["

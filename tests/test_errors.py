@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import re
 import warnings
@@ -232,6 +233,7 @@ HYPERPARAMETER_ERRORS = [
     ({"lr": True}, ValueError, r"lr must be a finite real number, got True"),
     ({"lr": "0.02"}, ValueError, r"lr must be a finite real number, got '0\.02'"),
     ({"lr": None}, ValueError, r"lr must be a finite real number, got None"),
+    ({"lr": 10**400}, ValueError, r"lr must be a finite real number, got 1000"),  # was an OverflowError
     # beta, gamma in [0, 1]
     ({"beta": -0.1}, ValueError, r"beta must lie in \[0\.0, 1\.0\], got -0\.1"),
     ({"beta": 1.5}, ValueError, r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
@@ -258,6 +260,7 @@ HYPERPARAMETER_ERRORS = [
     ({"polar": {"steps": True}}, ValueError, r"steps must be a positive integer, got True"),
     ({"polar": {"steps": 5.0}}, ValueError, r"steps must be a positive integer, got 5\.0"),
     ({"polar": {"method": "svd", "steps": 0}}, ValueError, r"steps must be a positive integer"),
+    ({"polar": {"steps": 2.5}}, ValueError, r"polar steps must be a positive integer, got 2\.5"),
     ({"polar": "qr"}, ValueError, r"unknown polar method 'qr': use 'newton_schulz' or 'svd'"),
     ({"polar": "muon"}, ValueError, r"unknown polar method 'muon'"),  # a coefficient name is not a method
     ({"polar": {"method": "qr"}}, ValueError, r"unknown polar method 'qr'"),
@@ -330,6 +333,11 @@ def test_valid_dict_and_string_configs_are_the_dataclasses() -> None:
     assert opt.polar == PolarConfig(coefficients="polar_express", steps=8)
     assert opt.inv_root == InverseRootConfig(method="newton_schulz", steps=12)
     assert isinstance(FISMO(polar={"coefficients": [[3.0, -4.0, 2.0]]}).polar.coefficients, tuple)
+    # A NumPy integer step count is stored as a Python int (as InverseRootConfig's): the config
+    # then serialises (json.dumps of dataclasses.asdict raised TypeError on np.int64).
+    numpy_steps = FISMO(polar={"steps": np.int64(3)}, inv_root={"method": "newton_schulz", "steps": np.int64(9)})
+    assert type(numpy_steps.polar.steps) is int and type(numpy_steps.inv_root.steps) is int
+    json.dumps(dataclasses.asdict(numpy_steps))
 
 
 @pytest.mark.parametrize("field, value", [("lr", -1.0), ("beta", 2.0), ("gamma", -0.5), ("mu", -1.0), ("nesterov", 0)])
