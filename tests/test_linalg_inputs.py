@@ -33,7 +33,7 @@ from fismo_core.linalg import (
     newton_schulz_schedule,
     polar,
 )
-from fismo_core.testing import Target, targets, to_numpy
+from fismo_core.testing import Target, to_numpy
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS = {"float64": float(np.finfo(np.float64).eps), "float32": float(np.finfo(np.float32).eps)}

@@ -892,7 +892,6 @@ def test_polar_property(target64: Target, m: int, n: int, log10_cond: float, log
     V, _ = np.linalg.qr(rng.standard_normal((n, k)))
     s = np.geomspace(1.0, 10.0**-log10_cond, k) if k > 1 else np.ones(1)
     X_np = 10.0**log10_scale * (U * s) @ V.T
-    xp = target64.xp
     O = linalg.polar(target64.asarray(X_np), method="svd")
     O_np = _np(O)
     eps = float(np.finfo(np.float64).eps)
