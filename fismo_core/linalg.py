@@ -184,7 +184,8 @@ def _check_same_namespace_and_device(*arrays: Array) -> Any:
         xp = array_namespace(*arrays)
     except TypeError as exc:
         raise TypeError(f"all arrays of one call must come from one array library: {exc}") from exc
-    devices = {str(device(a)) for a in arrays}
+    # A traced JAX array (jax.jit, grad, vmap) has no device (None): it may meet a concrete one.
+    devices = {str(d) for d in map(device, arrays) if d is not None}
     if len(devices) > 1:
         raise ValueError(f"all arrays of one call must live on one device, got {sorted(devices)}")
     return xp

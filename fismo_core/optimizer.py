@@ -368,7 +368,7 @@ class FISMOState(NamedTuple):
         unknown = sorted(keys - required - {"skipped", "root_failures", "block_size", _FORMAT_KEY})
         if unknown:
             raise KeyError(f"not a FISMO state: unexpected keys {unknown} (a FISMO state has {list(cls._fields)})")
-        dev = device(like)
+        dev = _creation_device(like)
         dtype = state_dtype(xp, like.dtype)
 
         def read(key: str, tail: tuple[int, ...]) -> Array:
@@ -745,7 +745,7 @@ class FISMO:
         if math.prod(W.shape) == 0:  # lines 4-5 would reduce over nothing: no statistics, no step
             raise ValueError(f"{name} has shape {tuple(W.shape)}, with no entries: FISMO steps non-empty matrices only")
         guards.check_factor_size(m, n, self.block_size, name)
-        dev = device(W)
+        dev = _creation_device(W)
         left, right = self.structures(m, n)
         P = left.identity(xp, tuple(batch), dtype, dev)
         Q = right.identity(xp, tuple(batch), dtype, dev)
@@ -1125,6 +1125,21 @@ class _InverseRoots(NamedTuple):
 
 
 _EIGH = InverseRootConfig(method="eigh")
+
+
+def _creation_device(W: Array) -> Any:
+    """The device to create ``W``'s state on: ``W``'s, or ``None`` (the library's default) for a JAX array
+    that is not committed to its device.
+
+    ``jax.jit`` places uncommitted arguments itself; a state committed beside
+    uncommitted parameters makes a jitted step's outputs committed, and its
+    second call, on committed parameters, compiles again.
+    """
+    try:
+        committed = getattr(W, "committed", True)
+    except Exception:  # a traced JAX array refuses to say (ConcretizationTypeError); its device is None
+        committed = True
+    return None if committed is False else device(W)
 
 
 def state_dtype(xp: Any, dtype: Any) -> Any:
