@@ -388,6 +388,7 @@ def scale_by_fismo(
         for path, p in leaves:
             name = f"leaf {jax.tree_util.keystr(path)} (shape {tuple(p.shape)})"
             check_matrix(p, name)  # before matrix_shape, whose errors could not name the leaf
+            p = jnp.asarray(p)  # NumPy params (loaded from a file) get a JAX state, as optax's own do
             mesh = _mesh(p)
             if mesh is not None:
                 # The leaf's layout: in the type on Explicit axes; on Auto axes only a concrete array has it.
@@ -398,14 +399,17 @@ def scale_by_fismo(
                 states.append(init_on_mesh(p, name=name, spec=spec))
                 continue
             state = core.init(_as_matrix(p, matrix_shape), name=name)
-            # With every > 1 the step count is an int32 array from the start: lax.cond makes it
-            # one, and a Python int at step 0 would make jit trace a second time.
-            states.append(state if every == 1 else state._replace(step=jnp.asarray(0, dtype=jnp.int32)))
+            # The step count is an int32 array from the start, as optax's counts are: every leaf of the
+            # state is then an array (jax.tree.map, optax.tree.cast), and jit sees one argument kind
+            # (a Python int at step 0 compiled a second executable; with every > 1, lax.cond makes it
+            # an int32 array anyway).
+            states.append(state._replace(step=jnp.asarray(0, dtype=jnp.int32)))
         return ScaleByFismoState(treedef.unflatten(states))
 
     def update_fn(updates: Any, state: ScaleByFismoState, params: Any = None) -> tuple[Any, ScaleByFismoState]:
         del params
         leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        leaves = [(path, jnp.asarray(g)) for path, g in leaves]  # NumPy gradients too, as optax's own take
         states = treedef.flatten_up_to(state.states)
         _check_finite_leaves(leaves)
         directions, new_states = [], []
@@ -554,8 +558,11 @@ def fismo_training(
     or a sequence of at most ``ns_steps`` triples, run once each), ``ns_steps``
     and ``eps`` are line 8's Newton–Schulz iteration, in the leaves' dtype as
     optax runs it; ``beta`` is FISMO's ``beta``; the matrix leaves' step is
-    scaled by optax's ``sqrt(max(1, n / m))`` for a leaf ``(m, n) = (fan_in, fan_out)``
-    (``consistent_rms=c``: ``c sqrt(max(m, n))``), the weight decay not; the
+    scaled by optax's ``sqrt(max(1, fan_out / fan_in))``
+    (``consistent_rms=c``: ``c sqrt(max(fan_in, fan_out))``), the weight decay not,
+    with ``(fan_in, fan_out)`` a 2-D leaf's shape, or for a leaf of more dimensions
+    ``matrix_shape(shape)`` reversed under the default (whose leading axis is the output)
+    and as given otherwise; the
     other leaves get optax's AdamW as ``optax.contrib.muon`` builds it
     (``adam_*``, the same ``eps`` and ``nesterov``). On top come the core's
     [`TRAINING`][fismo_core.optimizer.TRAINING]: scale-invariant statistics,
@@ -605,7 +612,7 @@ def fismo_training(
         eps_root=adam_eps_root, weight_decay=adam_weight_decay, nesterov=nesterov,
     )
 
-    def step_scale(m: int, n: int) -> float:  # optax.contrib.muon's scale_by_shape, fan_in = m, fan_out = n
+    def step_scale(m: int, n: int) -> float:  # optax.contrib.muon's scale_by_shape, (m, n) = (fan_in, fan_out)
         return math.sqrt(max(1.0, n / m)) if consistent_rms is None else consistent_rms * math.sqrt(max(m, n))
 
     return _fismo_transformation(
@@ -736,6 +743,19 @@ def _scalars_on_the_mesh(tx: Any) -> Any:
     return tx._replace(init=init_fn)
 
 
+def _fans(shape: tuple[int, ...], matrix_shape: MatrixShape) -> tuple[int, int]:
+    """``(fan_in, fan_out)`` of a matrix leaf, for optax's shape-based learning rate.
+
+    A 2-D leaf is ``(in, out)``, optax's and Flax's layout. A leaf of more
+    dimensions is its ``matrix_shape`` form ``(m, n)``: ``(in, out)`` for a
+    given ``matrix_shape`` (Flax's rule ``(prod(s[:-1]), s[-1])``), but
+    ``(out, in)`` for `default_matrix_shape`, whose leading axis is the
+    output (PyTorch's convolution kernels).
+    """
+    m, n = _matrix_dims(shape, matrix_shape)
+    return (n, m) if len(shape) > 2 and matrix_shape is default_matrix_shape else (m, n)
+
+
 def _line_9(
     learning_rate: optax.ScalarOrSchedule,
     weight_decay: float,
@@ -750,7 +770,7 @@ def _line_9(
     learning rate are ``optax.scale_by_learning_rate``'s (a schedule's value
     in the update's dtype, its step count): without weight decay the updates
     are bit for bit that transformation's. ``step_scale(m, n)``, if given,
-    multiplies the rate of a leaf whose matrix is ``matrix_shape(leaf.shape) = (m, n)``
+    multiplies the rate of a leaf of ``(fan_in, fan_out) = (m, n)`` (`_fans`)
     (Muon's shape-based learning rate; the decay keeps the unscaled one).
     """
     scheduled = callable(learning_rate)
@@ -768,7 +788,7 @@ def _line_9(
             return jnp.array(c, dtype=x.dtype) if scheduled else c
 
         def leaf(dW: Any, W: Any) -> Any:
-            step_lr = None if step_scale is None else lr * step_scale(*_matrix_dims(tuple(dW.shape), matrix_shape))
+            step_lr = None if step_scale is None else lr * step_scale(*_fans(tuple(dW.shape), matrix_shape))
             decay, rate = _fismo.line_9_factors(lr, weight_decay, step_lr)
             step = coefficient(-rate, dW) * dW
             return step - coefficient(decay, W) * W if weight_decay else step

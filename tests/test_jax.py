@@ -101,6 +101,39 @@ def test_jit_step_matches_eager_and_traces_once(dtype: str, opt: FISMO) -> None:
     assert len(traces) == 1
 
 
+def test_an_uncommitted_parameter_gets_an_uncommitted_state_and_one_compilation() -> None:
+    """``init`` created the state committed to the parameter's device; beside uncommitted parameters
+    (what ``jnp.asarray`` gives) that made a jitted step's outputs committed, and its second call
+    compiled again (same trace, another executable). The step count is given as an array here: a
+    Python int at the first call is another argument kind, compiled once more under x64."""
+    _jax_target("float64")
+    opt = FISMO()
+    W0, grads = _trajectory(SHAPE, "float64")
+    state = opt.init(W0)
+    assert not W0.committed and not any(x.committed for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+    jitted = jax.jit(opt.step)
+    W, state = W0, state._replace(step=jnp.asarray(0))
+    for G in grads[:4]:
+        W, state = jitted(W, G, state)
+    assert jitted._cache_size() == 1  # private API of jax.jit's functions: the compiled executables
+
+
+def test_a_traced_gradient_meets_a_concrete_state() -> None:
+    """Under ``jax.jit`` with the state closed over (concrete) and the gradient traced, and under an
+    eager ``jax.vmap`` with a shared state, the device check compared a tracer's device (None) with
+    the state's and raised "all arrays of one call must live on one device"."""
+    _jax_target("float64")
+    opt = FISMO()
+    W = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)))
+    G = jnp.asarray(np.random.default_rng(1).standard_normal((4, 3)))
+    state = opt.init(W)
+    expected = opt.step(W, G, state)[0]
+    got = jax.jit(lambda G: opt.step(W, G, state)[0])(G)
+    assert max_relative_error(got, expected) <= JIT_TOLERANCE["float64"]
+    batched = jax.vmap(lambda G: opt.direction(G, state)[0])(jnp.stack([G, 2 * G]))
+    assert max_relative_error(batched[0], opt.direction(G, state)[0]) <= JIT_TOLERANCE["float64"]
+
+
 def test_jit_traces_once_per_shape() -> None:
     """A new shape traces again (the counter really counts); the same one does not."""
     _jax_target("float32")
@@ -242,6 +275,7 @@ def test_optax_pytree_with_jit() -> None:
     for g in grads:
         params, state = train_step(params, state, g)
     assert len(traces) == 1
+    assert train_step._cache_size() == 1  # one compilation too (it compiled twice: a committed state)
     assert {k: v.shape for k, v in params.items()} == shapes
 
     # The references, eager: the core on each matrix (the 3-D tensor

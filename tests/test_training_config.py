@@ -547,6 +547,27 @@ def test_optax_training_consistent_rms_and_options() -> None:
     assert blocked[0]["square"].shape == (8, 8)
 
 
+@pytest.mark.parametrize(("shape", "scale"), [((4, 3, 2, 2), 1.0), ((12, 1, 2, 2), math.sqrt(3.0))])
+def test_optax_training_scales_a_kernel_by_its_fans(shape: tuple, scale: float) -> None:
+    """Under the default ``matrix_shape`` a kernel ``(out, in, kh, kw)`` is the matrix ``(out, in*kh*kw)``,
+    so ``fan_in = in*kh*kw``: the (4, 3, 2, 2) kernel (fan_out 4 < fan_in 12) gets optax's scale 1, where
+    it got ``sqrt(12/4)`` (the 2-D rule ``(fan_in, fan_out) = (m, n)`` applied to ``(out, in)``); the
+    (12, 1, 2, 2) kernel gets ``sqrt(12/4)``. The same matrix as a 2-D ``(m, n)`` leaf, whose fans are
+    ``(m, n)``, gets ``sqrt(max(1, n/m))``: the kernel's update is that one times ``scale`` over it."""
+    _, optax = _optax()
+    import jax.numpy as jnp
+    from fismo_core.backends.optax import fismo_training
+
+    m, n = shape[0], math.prod(shape[1:])
+    kernel = jnp.asarray(0.3 * np.random.default_rng(2).standard_normal(shape), dtype=jnp.float32)
+    tx = fismo_training(0.02, weight_decay=0.0)
+    as_kernel = _optax_run(tx, {"w": kernel}, 1)[0]["w"]
+    as_matrix = _optax_run(tx, {"w": kernel.reshape(m, n)}, 1)[0]["w"]
+    matrix_scale = math.sqrt(max(1.0, n / m))
+    np.testing.assert_allclose(np.asarray(as_kernel).reshape(m, n), np.asarray(as_matrix) * scale / matrix_scale,
+                               rtol=1e-6, atol=0)  # float32: the rates' products round differently
+
+
 @pytest.mark.parametrize(
     ("given", "error", "message"),
     [
