@@ -331,9 +331,15 @@ class FISMO(Optimizer):
             self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
         )
 
+    def __getstate__(self) -> dict:
+        """As ``Optimizer.__getstate__``, with ``process_group`` (``copy.deepcopy`` and pickling lost it)."""
+        return {**super().__getstate__(), "process_group": self.process_group}
+
     def __setstate__(self, state: dict) -> None:
         """As ``Optimizer.__setstate__`` (unpickling, and the end of ``load_state_dict``), then `complete_loaded_state`."""
         super().__setstate__(state)
+        if not hasattr(self, "process_group"):  # pickled before it was kept (load_state_dict keeps the live one)
+            self.process_group = None
         complete_loaded_state(self.state, self.param_groups)
 
     def state_dict(self) -> dict:

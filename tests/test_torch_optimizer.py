@@ -1025,3 +1025,31 @@ def test_a_thin_parameter_warns_once_naming_it_and_block_size():
     with warnings.catch_warnings():
         warnings.simplefilter("error", FactorSizeWarning)
         opt.step()
+
+
+def test_a_copied_or_pickled_optimizer_steps_and_saves() -> None:
+    """``Optimizer.__getstate__`` keeps only defaults, state and param groups: ``copy.deepcopy(opt)`` and
+    ``pickle`` lost ``process_group``, and the copy's step and ``state_dict`` raised AttributeError.
+    Copies of the model and optimizer continue as the original does, bit for bit."""
+    import pickle
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    opt = FISMO(param_groups(model), lr=0.02)
+    X = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+
+    def train(model, opt):
+        opt.zero_grad()
+        model(X).square().sum().backward()
+        opt.step()
+
+    train(model, opt)
+    copied = copy.deepcopy((model, opt))
+    pickled = pickle.loads(pickle.dumps((model, opt)))
+    for twin_model, twin_opt in (copied, pickled):
+        assert twin_opt.process_group is None
+        train(twin_model, twin_opt)
+        twin_opt.state_dict()
+    train(model, opt)
+    for twin_model, _ in (copied, pickled):
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
