@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import math
 import numbers
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -322,14 +323,28 @@ class FISMO(Optimizer):
         dtypes are converted, as ``torch.optim`` does.) The FISMO state is copied, never shared
         with ``state_dict``'s tensors.
         """
+        # The hooks run as torch.optim runs them, around the whole load: the pre-hooks on what is checked
+        # and restored here too, the post-hooks after FISMO's states are restored in their precision.
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
         saved_groups = state_dict["param_groups"]
         placements = self._placements()
         saved_state, base_state = full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
         check_saved_state(self.param_groups, saved_state, saved_groups)
-        super().load_state_dict({**state_dict, "state": base_state})
+        hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
+        try:
+            super().load_state_dict({**state_dict, "state": base_state})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
         restore_saved_state(
             self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
         )
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __getstate__(self) -> dict:
         """As ``Optimizer.__getstate__``, with ``process_group`` (``copy.deepcopy`` and pickling lost it)."""

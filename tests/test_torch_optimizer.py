@@ -1053,3 +1053,36 @@ def test_a_copied_or_pickled_optimizer_steps_and_saves() -> None:
     train(model, opt)
     for twin_model, _ in (copied, pickled):
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_load_state_dict_hooks_see_fismos_states_as_torch_optim_runs_them() -> None:
+    """A pre-hook's returned state_dict was ignored for the FISMO matrices (checked and restored from
+    the dict given), and a post-hook ran before their restore in float32: with bf16 parameters it saw
+    bf16-rounded statistics, and its edits were overwritten."""
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(5, 4, generator=gen).to(torch.bfloat16))
+    opt = FISMO([W], lr=0.02)
+    W.grad = torch.randn(5, 4, generator=gen).to(torch.bfloat16)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+
+    def zero_momentum(optimizer, state_dict):
+        state_dict = copy.deepcopy(state_dict)
+        state_dict["state"][0]["M"].zero_()
+        return state_dict
+
+    seen = []
+    fresh = FISMO([W], lr=0.02)
+    fresh.register_load_state_dict_pre_hook(zero_momentum)
+    fresh.register_load_state_dict_post_hook(lambda optimizer: seen.append(optimizer.state[W]["P"].dtype))
+    fresh.load_state_dict(saved)
+    assert torch.count_nonzero(fresh.state[W]["M"]) == 0 and torch.count_nonzero(saved["state"][0]["M"]) > 0
+    assert seen == [torch.float32]  # after the restore in FISMO's precision
+
+    def zero_after(optimizer):
+        optimizer.state[W]["M"].zero_()
+
+    other = FISMO([W], lr=0.02)
+    other.register_load_state_dict_post_hook(zero_after)
+    other.load_state_dict(saved)
+    assert torch.count_nonzero(other.state[W]["M"]) == 0
