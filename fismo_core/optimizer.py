@@ -533,7 +533,9 @@ def training_options(preset: Mapping[str, Any], overrides: Mapping[str, Any]) ->
     ``inv_root`` given as a dict or a method name (short for
     ``{"method": name}``, as everywhere in FISMO): those are merged field by
     field into the preset's dict, so ``inv_root={"method": "newton_schulz"}``
-    keeps ``every=10``. A `PolarConfig` or `InverseRootConfig` object is
+    keeps ``every=10``; ``polar="svd"`` drops the preset's Newton–Schulz
+    iteration ``dtype`` (the exact method takes none) unless it is given
+    too. A `PolarConfig` or `InverseRootConfig` object is
     complete and replaces the preset's as it is. The result holds plain
     dicts (the preset's read-only mappings copied), ready for ``FISMO(**...)``.
     """
@@ -541,7 +543,11 @@ def training_options(preset: Mapping[str, Any], overrides: Mapping[str, Any]) ->
     for name, value in overrides.items():
         base = options.get(name)
         if name in _CONFIG_OPTIONS and isinstance(base, dict) and isinstance(value, (str, Mapping)):
-            value = {**base, **({"method": value} if isinstance(value, str) else dict(value))}
+            given = {"method": value} if isinstance(value, str) else dict(value)
+            value = {**base, **given}
+            if name == "polar" and value.get("method") == "svd" and "dtype" not in given:
+                # The preset's iteration dtype is the Newton–Schulz iteration's; the exact method takes none.
+                value["dtype"] = None
         options[name] = value
     return options
 

@@ -209,6 +209,13 @@ def test_torch_training_options_override_the_preset(native_bfloat16) -> None:
     assert group["inv_root"]["every"] == 1 and group["inv_root"]["matmul_dtype"] == "bfloat16"  # merged field-wise
     group = TorchFISMO.training([W], mu=1e-3, inv_root={"matmul_dtype": None}).param_groups[0]
     assert group["mu"] == 1e-3 and group["inv_root"]["matmul_dtype"] is None and group["inv_root"]["every"] == 10
+    # polar="svd" drops the preset's bfloat16 iteration dtype, which the exact method refuses: it raised
+    # "polar dtype='bfloat16' applies to the Newton–Schulz iteration only" where bfloat16 is native only.
+    for polar in ("svd", {"method": "svd"}):
+        group = TorchFISMO.training([W], polar=polar).param_groups[0]
+        assert group["polar"]["method"] == "svd" and group["polar"]["dtype"] is None
+    with pytest.raises(ValueError, match=r"polar dtype='bfloat16' applies to the Newton–Schulz iteration only"):
+        TorchFISMO.training([W], polar={"method": "svd", "dtype": "bfloat16"})  # given, not the preset's: refused
 
 
 def test_torch_training_precision_follows_the_devices(monkeypatch) -> None:
