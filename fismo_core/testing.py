@@ -439,7 +439,8 @@ def relative_errors(got: Any, reference: Any) -> Any:
         got, reference = got * factor, reference * factor
         diff = np.sqrt(np.sum(np.square(np.abs(got - reference)), axis=axes))
         scale = np.sqrt(np.sum(np.square(np.abs(reference)), axis=axes))
-    err = diff / np.where(scale > 0, scale, 1.0)
+        # A zero reference: the absolute error, in the arrays' own units (diff / factor).
+        err = diff / np.where(scale > 0, scale, np.reshape(factor, np.shape(diff)))
     return np.where(np.isfinite(err), err, np.inf)
 
 

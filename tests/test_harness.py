@@ -195,6 +195,8 @@ def test_max_relative_error_holds_at_any_scale(scale: float) -> None:
     one_ulp[1, 1] = np.nextafter(one_ulp[1, 1], np.inf)
     assert 0 < max_relative_error(one_ulp, reference) < 2 * np.finfo(np.float64).eps
     assert max_relative_error(np.array([[np.nan, 0.0], [0.0, 0.0]]), reference) == math.inf
+    # A zero reference makes the error absolute, in the arrays' units (not the scaled ones).
+    assert max_relative_error(np.array([[3.0, 4.0]]) * scale, np.zeros((1, 2))) == pytest.approx(5.0 * scale)
 
 
 def test_complex_outputs_are_compared_with_their_imaginary_part() -> None:
