@@ -399,27 +399,39 @@ class FISMO(Optimizer):
         checks = check_grads(self.param_groups)
         placements = self._placements()
         created: list[torch.Tensor] = []  # the parameters whose state this step creates
+        # Until line 9 nothing is written: whatever raises, the optimizer stays as it was, without the
+        # new states. (Two try blocks, not one around the host read: dynamo cannot resume a graph break
+        # inside a try block; it ran the whole step eagerly and compiled its parts, guarding on every
+        # gradient's identity, so each step recompiled them.)
         try:
-            # Lines 4-8 of every FISMO group, nothing written yet: gather, and compute on the owners.
+            # Lines 4-8 of every FISMO group: gather, and compute on the owners.
             plans = {
                 id(group): self._fismo_compute(group, placements, checks.skip, created)
                 for group in self.param_groups
                 if group["algorithm"] == "fismo"
             }
-            # The step's one host read: every gradient's finiteness ("raise") and every core call's root checks.
-            calls = [call for plan in plans.values() for call in plan.calls]
-            if _guards.read_faults(*checks.faults(), *(call.result.faults for call in calls)):
-                self._settle(checks, plans)
-        except Exception:  # nothing was written: the optimizer stays as it was, without the new states
-            for p in created:
-                self.state.pop(p, None)
+        except Exception:
+            self._forget(created)
             raise
+        # The step's one host read: every gradient's finiteness ("raise") and every core call's root checks.
+        calls = [call for plan in plans.values() for call in plan.calls]
+        if _guards.read_faults(*checks.faults(), *(call.result.faults for call in calls)):
+            try:
+                self._settle(checks, plans)
+            except Exception:
+                self._forget(created)
+                raise
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 adamw_group_step(self.state, group, checks.skip)
             else:
                 self._fismo_apply(plans[id(group)])
         return loss
+
+    def _forget(self, created: list) -> None:
+        """Remove the states a step created before it raised (nothing else was written)."""
+        for p in created:
+            self.state.pop(p, None)
 
     def _init_group(self) -> None:
         """Create the missing states of the local parameters that have a gradient, in every group.

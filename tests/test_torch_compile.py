@@ -400,6 +400,21 @@ def test_roots_every_k_with_step_counts_that_differ_within_a_bucket():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_with_host_reads_the_compiled_step_does_not_recompile(nonfinite):
+    """Under ``"raise"`` and ``"skip"`` the step's host read breaks the graph; with that read inside a try
+    block dynamo could not resume it, ran the step eagerly and compiled its parts on their own, guarding
+    on each gradient's identity: with ``zero_grad()``'s fresh gradients every step recompiled (up to
+    dynamo's recompile_limit). The frames compiled at the first step are all there are."""
+    model = _mlp()
+    opt = FISMO(param_groups(model), lr=0.02, nonfinite=nonfinite)
+    backend = CompileCounterWithBackend("eager")
+    compiled = torch.compile(opt.step, backend=backend)
+    frames: list[int] = []
+    _run(model, opt, _batches(model, 5), compiled, after=lambda i: frames.append(backend.frame_count))
+    assert frames == [frames[0]] * len(frames), frames
+
+
 @pytest.mark.parametrize("nonfinite, limit", [("raise", 1), ("skip", 2), ("propagate", 0)])
 def test_host_reads_per_step(nonfinite, limit):
     """The default configuration reads the device at most once per step, for the whole optimizer (every
