@@ -529,11 +529,25 @@ def fismo(
     )
 
 
-#: What `fismo_training` passes on to the core or to `fismo`'s leaf routing (its ``fismo_options``).
-_TRAINING_OPTIONS = ("gamma", "mu", "polar", "inv_root", "statistics", "block_size", "matrix_mask", "matrix_shape")
+class _Preset:
+    """The default of `fismo_training`'s core options: the value of [`TRAINING`][fismo_core.optimizer.TRAINING]
+    (or, where it sets none, the core's default)."""
+
+    def __repr__(self) -> str:
+        return "<the training preset's>"
 
 
-@foreign_keywords("fismo_core.backends.optax.fismo_training", notes=_OPTAX_MUON_NOTES)
+_PRESET = _Preset()
+
+
+@foreign_keywords(
+    "fismo_core.backends.optax.fismo_training",
+    notes={**_OPTAX_MUON_NOTES, "non_matrix": (
+        "fismo_core.backends.optax.fismo",
+        "fismo_training builds the other leaves' AdamW from adam_* as optax.contrib.muon does; for another "
+        "transformation use fismo(..., non_matrix=...) with the settings of fismo_core.TRAINING",
+    )},
+)
 def fismo_training(
     learning_rate: optax.ScalarOrSchedule,
     ns_coeffs: Any = MUON_COEFFICIENTS[0],
@@ -549,7 +563,14 @@ def fismo_training(
     adam_weight_decay: float = 0.0,
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     consistent_rms: Optional[float] = None,
-    **fismo_options: Any,
+    gamma: Any = _PRESET,
+    mu: Any = _PRESET,
+    polar: Any = _PRESET,
+    inv_root: Any = _PRESET,
+    statistics: Any = _PRESET,
+    block_size: Any = _PRESET,
+    matrix_mask: Optional[Any] = None,
+    matrix_shape: MatrixShape = default_matrix_shape,
 ) -> optax.GradientTransformation:
     """The training configuration with ``optax.contrib.muon``'s signature: ``muon(`` -> ``fismo_training(``.
 
@@ -581,30 +602,30 @@ def fismo_training(
     ``mu_dtype``, ``adaptive``, ``preconditioning`` and the dimension numbers
     are refused, naming FISMO's spelling.
 
-    ``fismo_options`` are ``gamma``, ``mu``, ``polar``, ``inv_root``,
-    ``statistics``, ``block_size`` (the core's, overriding the preset by
-    [`training_options`][fismo_core.optimizer.training_options]) and
-    ``matrix_mask``, ``matrix_shape`` (as in [`fismo`][fismo_core.backends.optax.fismo]).
+    ``gamma``, ``mu``, ``polar``, ``inv_root``, ``statistics`` and
+    ``block_size`` are the core's; given, they override the preset by
+    [`training_options`][fismo_core.optimizer.training_options].
+    ``matrix_mask`` and ``matrix_shape`` are as in [`fismo`][fismo_core.backends.optax.fismo].
+    With ``optax.inject_hyperparams``, name every argument but
+    ``learning_rate`` in ``static_args``,
+    ``tuple(inspect.signature(fismo_training).parameters)[1:]`` (FISMO's
+    settings are Python values, checked once; several are callables, which
+    it would take for schedules); the same holds for `fismo`.
     With ``gamma=1`` and ``nesterov=False`` it is ``optax.contrib.muon(..., nesterov=False)``
     up to rounding. Bad input raises here, before any state exists, naming the argument.
     """
-    if "non_matrix" in fismo_options:
-        raise TypeError(
-            "fismo_training builds the other leaves' AdamW from adam_* as optax.contrib.muon does; for another "
-            "transformation use fismo(..., non_matrix=...) with the settings of fismo_core.TRAINING"
-        )
-    unknown = sorted(set(fismo_options) - set(_TRAINING_OPTIONS))
-    if unknown:
-        raise TypeError(f"fismo_training() got unexpected keyword arguments {unknown}; it takes {list(_TRAINING_OPTIONS)}")
-    polar = _muon_polar(ns_coeffs, ns_steps, eps)
+    given = {"gamma": gamma, "mu": mu, "polar": polar, "inv_root": inv_root, "statistics": statistics,
+             "block_size": block_size}
+    fismo_options = {k: v for k, v in given.items() if v is not _PRESET}
+    muon_polar = _muon_polar(ns_coeffs, ns_steps, eps)
     if consistent_rms is not None and (
         isinstance(consistent_rms, bool) or not isinstance(consistent_rms, numbers.Real)
         or not math.isfinite(consistent_rms) or consistent_rms <= 0
     ):
         raise ValueError(f"consistent_rms must be None or a finite number > 0, got {consistent_rms!r}")
-    leaves = {k: fismo_options.pop(k) for k in ("matrix_mask", "matrix_shape") if k in fismo_options}
     options = training_options(
-        {**TRAINING, "polar": polar}, {"weight_decay": weight_decay, "nesterov": nesterov, "beta": beta, **fismo_options}
+        {**TRAINING, "polar": muon_polar},
+        {"weight_decay": weight_decay, "nesterov": nesterov, "beta": beta, **fismo_options},
     )
     core = FISMO(**options)  # the core's checks, naming the argument, before anything is built
     other = optax.adamw(
@@ -616,7 +637,7 @@ def fismo_training(
         return math.sqrt(max(1.0, n / m)) if consistent_rms is None else consistent_rms * math.sqrt(max(m, n))
 
     return _fismo_transformation(
-        learning_rate, other, leaves.get("matrix_mask"), leaves.get("matrix_shape", default_matrix_shape), step_scale,
+        learning_rate, other, matrix_mask, matrix_shape, step_scale,
         beta=core.beta, gamma=core.gamma, mu=core.mu, polar=core.polar, inv_root=core.inv_root,
         weight_decay=core.weight_decay, nesterov=core.nesterov, statistics=core.statistics, block_size=core.block_size,
     )
