@@ -269,6 +269,13 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{where}: unknown algorithm {algorithm!r}; use 'fismo' (matrices) or 'adamw'")
     named = [(p if isinstance(p, tuple) else (None, p)) for p in params]
+    seen: set[int] = set()
+    for _, p in named:
+        if id(p) in seen:  # torch.optim only warns; FISMO stepped it twice and counted one step
+            raise ValueError(
+                f"{where} lists a parameter of shape {tuple(p.shape)} twice; list each parameter once"
+            )
+        seen.add(id(p))
     if algorithm == "adamw":
         wrong = [k for k in FISMO_ONLY_KEYS if k in group]
         if wrong:

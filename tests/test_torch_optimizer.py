@@ -114,6 +114,15 @@ def test_a_numpy_learning_rate_is_stored_as_a_python_float(lr):
         FISMO([W], lr=np.float32("nan"))
 
 
+@pytest.mark.parametrize("algorithm", ["fismo", "adamw"])
+def test_a_parameter_listed_twice_in_a_group_is_refused(algorithm):
+    """torch.optim warns of duplicate parameters in a group; FISMO stepped such a matrix twice per step
+    and counted one step. Refused when the group is added."""
+    W = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"param group 0 lists a parameter of shape \(3, 4\) twice"):
+        FISMO([{"params": [W, W], "algorithm": algorithm}], lr=0.02)
+
+
 @pytest.mark.parametrize(
     ("group", "error", "match"),
     [
