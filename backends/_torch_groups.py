@@ -436,9 +436,10 @@ def param_groups(
     """Split a module's trainable parameters the way Muon users do.
 
     Tensors with fewer than 2 dimensions, tensors whose first dimension is 1
-    (learned tokens and position tables: ViT's ``cls_token`` ``(1, 1, d)`` and
-    ``pos_embed`` ``(1, T, d)``, which FISMO would optimise as one row with a
-    ``T d x T d`` factor), ``nn.Embedding`` weights, the output head and every
+    and that are no linear or conv layer's weight (learned tokens and position
+    tables: ViT's ``cls_token`` ``(1, 1, d)`` and ``pos_embed`` ``(1, T, d)``,
+    which FISMO would optimise as one row with a ``T d x T d`` factor),
+    ``nn.Embedding`` weights, the output head and every
     parameter for which ``adamw(name, p)`` is true go to an ``"adamw"`` group
     with ``adamw_options``; the other matrices (linear and conv weights) go to
     a FISMO group. Empty groups are left out.
@@ -460,6 +461,9 @@ def param_groups(
     embedding_weights = {
         id(m.weight) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
     }
+    layer_weights = {
+        id(m.weight) for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))
+    }
     head_ids, head_name = _head_parameters(module, head)
     matrices: list[torch.nn.Parameter] = []
     others: list[torch.nn.Parameter] = []
@@ -467,10 +471,11 @@ def param_groups(
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        # A leading dimension of 1: a learned token or table (ViT's cls_token (1, 1, d) and pos_embed (1, T, d),
-        # MultiheadAttention's bias_k), one row to FISMO with a (T d) x (T d) factor Q.
-        other_rule = (p.ndim < 2 or p.shape[0] == 1 or id(p) in embedding_weights
-                      or (adamw is not None and adamw(name, p)))
+        # A leading dimension of 1 outside a layer's weight: a learned token or table (ViT's cls_token
+        # (1, 1, d) and pos_embed (1, T, d), MultiheadAttention's bias_k), one row to FISMO with a
+        # (T d) x (T d) factor Q. A linear or conv layer with one output keeps its weight on FISMO.
+        table = p.shape[0] == 1 and id(p) not in layer_weights
+        other_rule = p.ndim < 2 or table or id(p) in embedding_weights or (adamw is not None and adamw(name, p))
         to_adamw = other_rule or id(p) in head_ids
         head_matrices += not other_rule and id(p) in head_ids  # on AdamW only because it is the head
         (others if to_adamw else matrices).append(p)

@@ -237,15 +237,17 @@ def test_param_groups_helper_sends_vectors_embeddings_and_chosen_heads_to_adamw(
 def test_param_groups_sends_learned_tokens_and_position_tables_to_adamw():
     """ViT's ``cls_token`` (1, 1, d) and ``pos_embed`` (1, T, d) and MultiheadAttention's ``bias_k`` went to
     FISMO as one row with a (T d) x (T d) factor Q (85 GiB at ViT-B/16's (1, 197, 768)): a first
-    dimension of 1 sends a tensor to AdamW, as the embeddings go."""
+    dimension of 1 sends a tensor that is no layer's weight to AdamW, as the embeddings go; a linear
+    layer with one output keeps its (1, n) weight on FISMO."""
     model = torch.nn.Module()
     model.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 8))
     model.pos_embed = torch.nn.Parameter(torch.zeros(1, 5, 8))
     model.attn = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
     model.mlp = torch.nn.Linear(8, 16)
+    model.score = torch.nn.Linear(16, 1)
     model.head = torch.nn.Linear(16, 3)
     fismo, adamw = _split(param_groups(model))
-    assert fismo == _ids([model.attn.in_proj_weight, model.attn.out_proj.weight, model.mlp.weight])
+    assert fismo == _ids([model.attn.in_proj_weight, model.attn.out_proj.weight, model.mlp.weight, model.score.weight])
     assert _ids([model.cls_token, model.pos_embed, model.attn.bias_k, model.attn.bias_v]) <= adamw
 
 
