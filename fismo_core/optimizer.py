@@ -573,7 +573,8 @@ class FISMO:
     mu:
         Damping ``mu >= 0`` (lines 4 and 5): ``L_t`` and ``R_t`` get
         ``mu tr(P_{t-1})/m I`` and ``mu tr(Q_{t-1})/n I``, a floor under the
-        preconditioners' eigenvalues. Default 1e-3.
+        preconditioners' eigenvalues. Default 1e-3. ``mu = 0`` needs
+        ``gamma > 0`` (the EMA keeps ``P_{t-1}``'s positive definiteness).
     polar:
         How ``Polar(M_t)`` is computed: a [`PolarConfig`][fismo_core.PolarConfig], a method name
         (``"newton_schulz"``, ``"svd"``) or a dict of its fields. Muon's
@@ -685,6 +686,12 @@ class FISMO:
         set_(self, "beta", _check_real("beta", self.beta, 0.0, 1.0))
         set_(self, "gamma", _check_real("gamma", self.gamma, 0.0, 1.0))
         set_(self, "mu", _check_real("mu", self.mu, 0.0))
+        if self.gamma == 0.0 and self.mu == 0.0:
+            raise ValueError(
+                "gamma=0 with mu=0 makes P_t and Q_t the current gradient's statistics alone, without a floor: "
+                "singular whenever G is not of full rank, as every non-square G (the paper's positivity "
+                "argument needs gamma > 0 or mu > 0). Give mu > 0 or gamma > 0"
+            )
         set_(self, "weight_decay", _check_real("weight_decay", self.weight_decay, 0.0))
         if not isinstance(self.nesterov, bool):
             raise TypeError(f"nesterov must be True or False, got {self.nesterov!r}")

@@ -240,6 +240,7 @@ HYPERPARAMETER_ERRORS = [
     ({"beta": math.nan}, ValueError, r"beta must be a finite real number"),
     ({"beta": False}, ValueError, r"beta must be a finite real number, got False"),
     ({"gamma": -1e-9}, ValueError, r"gamma must lie in \[0\.0, 1\.0\]"),
+    ({"gamma": 0.0, "mu": 0.0}, ValueError, r"gamma=0 with mu=0 makes P_t and Q_t .* singular"),
     ({"gamma": 1.01}, ValueError, r"gamma must lie in \[0\.0, 1\.0\]"),
     ({"gamma": -math.inf}, ValueError, r"gamma must be a finite real number"),
     ({"gamma": True}, ValueError, r"gamma must be a finite real number, got True"),
@@ -292,7 +293,8 @@ HYPERPARAMETER_ERRORS = [
 
 
 @pytest.mark.parametrize(
-    "kwargs, exc, match", HYPERPARAMETER_ERRORS, ids=[f"{k}={v!r}" for (d, _, _) in HYPERPARAMETER_ERRORS for k, v in d.items()]
+    "kwargs, exc, match", HYPERPARAMETER_ERRORS,
+    ids=[",".join(f"{k}={v!r}" for k, v in d.items()) for (d, _, _) in HYPERPARAMETER_ERRORS]
 )
 def test_hyperparameters_are_validated(kwargs: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
