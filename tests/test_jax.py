@@ -245,6 +245,27 @@ def test_optax_matches_core_trajectory(dtype: str, weight_decay: float, use_jit:
         assert len(traces) == 1  # as for the core: the FISMOState step count does not retrace
 
 
+def test_optax_takes_numpy_params_and_gradients() -> None:
+    """NumPy params gave a state mixing NumPy and JAX arrays (and a Python int step count), and the next
+    eager update with JAX gradients (or NumPy ones on a JAX state) raised "one array library". Now the
+    state is all JAX arrays and the updates equal those of JAX inputs."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float64")
+    rng = np.random.default_rng(5)
+    params = {"w": rng.standard_normal((5, 3)), "b": rng.standard_normal(3)}
+    grads = {"w": rng.standard_normal((5, 3)), "b": rng.standard_normal(3)}
+    tx = fismo(0.02)
+    state = tx.init(params)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+    from_numpy, _ = tx.update(grads, state, params)
+    jax_params, jax_grads = jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, grads)
+    from_jax, _ = tx.update(jax_grads, tx.init(jax_params), jax_params)
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(from_numpy), jax.tree.leaves(from_jax)))
+    optax.apply_updates(jax_params, from_numpy)
+
+
 def test_optax_pytree_with_jit() -> None:
     """A dict of a matrix, a 3-D tensor and a bias: FISMO on the first two (the 3-D one as
     ``(shape[0], -1)``), AdamW with the same learning rate on the bias; one trace for all steps."""
