@@ -407,8 +407,10 @@ def max_relative_error(got: Any, reference: Any) -> float:
     """``||got - reference||_F / ||reference||_F``, per matrix over the last two axes and worst over a batch.
 
     Arrays of fewer than two dimensions are compared as one vector. A zero
-    reference makes the error absolute; a non-finite ``got`` is ``inf``; a
-    shape mismatch is a ``ValueError``.
+    reference makes the error absolute; a NaN or infinity of ``got`` is
+    ``inf`` unless the reference has the same one in the same place (as
+    ``numpy.testing.assert_allclose`` counts NaN equal to NaN): the error is
+    then that of the other entries. A shape mismatch is a ``ValueError``.
     """
     import numpy as np
 
@@ -421,15 +423,19 @@ def max_relative_error(got: Any, reference: Any) -> float:
 def relative_errors(got: Any, reference: Any) -> Any:
     """The relative Frobenius error of each matrix (last two axes) as a NumPy array of the batch shape.
 
-    For arrays of fewer than two dimensions, one error (a 0-d array). NaN or
-    infinity in ``got`` gives ``inf``. Complex arrays are compared by modulus.
-    Both arrays are first divided by the power of two of their largest
-    entry, per matrix (exact), so the sums of squares neither overflow nor
-    underflow at any scale (1e-170 or 1e200 in float64).
+    For arrays of fewer than two dimensions, one error (a 0-d array). A NaN
+    or infinity in either array gives ``inf``, unless both arrays have it in
+    the same place (NaN for NaN, the same signed infinity; for complex, each
+    part): such entries agree and are left out of both norms. Complex arrays
+    are compared by modulus. Both arrays are first divided by the power of
+    two of their largest entry, per matrix (exact), so the sums of
+    squares neither overflow nor underflow at any scale (1e-170 or 1e200 in
+    float64).
     """
     import numpy as np
 
     got, reference = to_numpy(got), to_numpy(reference)
+    got, reference = _without_agreeing_nonfinite(got, reference)
     axes = (-2, -1) if reference.ndim >= 2 else None
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite got: an inf error, below
         amax = np.maximum(np.max(np.abs(got), axis=axes, keepdims=True, initial=0.0),
@@ -442,6 +448,25 @@ def relative_errors(got: Any, reference: Any) -> Any:
         # A zero reference: the absolute error, in the arrays' own units (diff / factor).
         err = diff / np.where(scale > 0, scale, np.reshape(factor, np.shape(diff)))
     return np.where(np.isfinite(err), err, np.inf)
+
+
+def _without_agreeing_nonfinite(got: Any, reference: Any) -> tuple[Any, Any]:
+    """``got`` and ``reference`` with each non-finite value that both hold in the same place set to zero in both."""
+    import numpy as np
+
+    def agree(a: Any, b: Any) -> Any:  # real parts: the same NaN or the same signed infinity
+        return (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
+
+    if np.iscomplexobj(got) or np.iscomplexobj(reference):
+        # Each part agrees (a non-finite one as above, a finite one exactly), and one of them is not finite.
+        parts = [(np.real(got), np.real(reference)), (np.imag(got), np.imag(reference))]
+        both = np.logical_and.reduce([agree(a, b) | (np.isfinite(a) & (a == b)) for a, b in parts])
+        same = both & ~(np.isfinite(got) & np.isfinite(reference))
+    else:
+        same = agree(got, reference)
+    if not np.any(same):
+        return got, reference
+    return np.where(same, 0, got), np.where(same, 0, reference)
 
 
 # ------------------------------------------------------------- the harness
