@@ -42,6 +42,7 @@ once and the params keep their sharding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable
@@ -449,8 +450,12 @@ def _check_finite_leaves(leaves: list[tuple[Any, Any]]) -> None:
             )
 
 
-def _leaf_names(tree: Any) -> list[str]:
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+@dataclasses.dataclass(frozen=True)
+class _Labelled:
+    """A leaf of the params and its label in `fismo`'s partition (not a pytree node: a leaf of its own)."""
+
+    label: str
+    leaf: Any
 
 
 @foreign_keywords("fismo_core.backends.optax.fismo", notes=_OPTAX_MUON_NOTES)
@@ -696,15 +701,20 @@ def _fismo_transformation(
         if mask is None:
             out = jax.tree.map(lambda x: "fismo" if x.ndim >= 2 else "non_matrix", tree)
         else:
-            out = jax.tree.map(lambda x, use: "fismo" if use else "non_matrix", tree, mask)
-        names = _leaf_names(tree)
-        flat = jax.tree.leaves(out)
-        leaves = jax.tree.leaves(tree)
-        small = [f"{n} (shape {tuple(x.shape)})" for n, x, lab in zip(names, leaves, flat) if lab == "fismo" and x.ndim < 2]
+            # The mask leads, as in optax.masked: inside an optax.masked, ``tree`` holds an optax.MaskedNode
+            # (a node without leaves) where the mask still holds a boolean.
+            out = jax.tree.map(lambda use, x: "fismo" if use else "non_matrix", mask, tree)
+        pairs = jax.tree.map(lambda label, x: _Labelled(label, x), out, tree)  # a _Labelled is one leaf
+        labelled = [
+            (jax.tree_util.keystr(path), pair.leaf, pair.label)
+            for path, pair in jax.tree_util.tree_flatten_with_path(pairs)[0]
+            if not isinstance(pair.leaf, optax.MaskedNode)
+        ]
+        small = [f"{n} (shape {tuple(x.shape)})" for n, x, lab in labelled if lab == "fismo" and x.ndim < 2]
         if small:
             raise ValueError(f"matrix_mask selects leaves with fewer than 2 dimensions for FISMO: {', '.join(small)}")
         if other is None:
-            rest = [f"{n} (shape {tuple(x.shape)})" for n, x, lab in zip(names, leaves, flat) if lab == "non_matrix"]
+            rest = [f"{n} (shape {tuple(x.shape)})" for n, x, lab in labelled if lab == "non_matrix"]
             if rest:
                 raise ValueError(
                     f"non_matrix='error', but these leaves are not FISMO matrices: {', '.join(rest)}; "

@@ -389,6 +389,39 @@ def test_optax_non_matrix_rules() -> None:
         fismo(0.02, non_matrix=0.1)
 
 
+def test_optax_pytree_matrix_mask_inside_optax_masked() -> None:
+    """Inside ``optax.masked`` the leaves it masks out are ``optax.MaskedNode``s (no leaves) where a pytree
+    ``matrix_mask`` still holds a boolean: ``fismo`` raised a pytree structure error at init. The mask now
+    leads, as in ``optax.masked``; the leaves left in get what they get without the outer mask, and the
+    checks of the leaves still name them (``'layers'][1]`` through a tuple container)."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float64")
+    rng = np.random.default_rng(21)
+    params = {"layers": (jnp.asarray(rng.standard_normal(SHAPE)), jnp.asarray(rng.standard_normal(4))),
+              "head": jnp.asarray(rng.standard_normal((3, 5)))}
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape)), params)
+    matrix_mask = {"layers": (True, False), "head": True}
+
+    def inner():
+        return fismo(0.02, matrix_mask=matrix_mask, non_matrix=optax.sgd(0.1))
+
+    outer = optax.masked(inner(), {"layers": (True, True), "head": False})
+    got, _ = jax.jit(outer.update)(g, outer.init(params), params)
+    alone = inner()
+    want, _ = jax.jit(alone.update)(g, alone.init(params), params)
+    assert bool(jnp.array_equal(got["layers"][0], want["layers"][0]))
+    assert bool(jnp.array_equal(got["layers"][1], -0.1 * g["layers"][1]))
+    assert bool(jnp.array_equal(got["head"], g["head"]))  # masked out: passed through
+    with pytest.raises(ValueError, match=r"fewer than 2 dimensions for FISMO: \['layers'\]\[1\] \(shape \(4,\)\)"):
+        optax.masked(fismo(0.02, matrix_mask={"layers": (True, True), "head": True}),
+                     {"layers": (True, True), "head": False}).init(params)
+    with pytest.raises(ValueError, match=r"non_matrix='error', but these leaves .*: \['layers'\]\[1\] \(shape"):
+        optax.masked(fismo(0.02, matrix_mask=matrix_mask, non_matrix="error"),
+                     {"layers": (True, True), "head": False}).init(params)
+
+
 def test_optax_matrix_shape_for_flax_kernels() -> None:
     """``matrix_shape`` chooses the matrix of a >2-D leaf, e.g. Flax's HWIO conv kernels as (kh*kw*in, out)."""
     optax = _optax()
