@@ -265,3 +265,26 @@ def test_torch_cuda_matmul_only_step_does_not_sync(target, monkeypatch: pytest.M
         torch.cuda.set_sync_debug_mode(previous)
     assert W.device.type == "cuda" and direction.device == W.device
     assert all(getattr(state, f).device == W.device for f in STATE_FIELDS)
+
+
+def test_torch_core_follows_autograd() -> None:
+    """What backends.md says of the core and autograd: a ``W`` that requires grad links each step's graph
+    to the next (the loss of the third step reaches the first ``W``), and under ``torch.no_grad()`` no
+    graph is built at all."""
+    torch = pytest.importorskip("torch")
+    W0 = torch.nn.Parameter(torch.tensor(reference_gradients((5, 3), 1, seed=4)[0]))
+    grads = [torch.tensor(G) for G in reference_gradients((5, 3), 3, seed=5)]
+    core = FISMO()
+    W, state = W0, core.init(W0.detach())
+    for G in grads:
+        W, state = core.step(W, G, state)
+    assert W.grad_fn is not None
+    (dW0,) = torch.autograd.grad(W.sum(), W0)
+    # The step is W - lr * D(G) with D independent of W (the gradients are given), so dW_3/dW_0 = I.
+    assert torch.equal(dW0, torch.ones_like(W0))
+    with torch.no_grad():
+        W, state = W0, core.init(W0)
+        for G in grads:
+            W, state = core.step(W, G, state)
+    assert W.grad_fn is None and not W.requires_grad
+    assert all(getattr(v, "grad_fn", None) is None for v in state.to_dict().values())
