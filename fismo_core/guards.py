@@ -425,7 +425,7 @@ def checks_roots(config: Any, nonfinite: str) -> bool:
     return config.fallback if config.fallback is not None else nonfinite != "propagate"
 
 
-def _is_linalg_error(exc: BaseException) -> bool:
+def is_linalg_error(exc: BaseException) -> bool:
     """A library's "the factorisation failed" error: NumPy/CuPy ``LinAlgError``, torch ``_LinAlgError``."""
     return any(cls.__name__.endswith("LinAlgError") for cls in type(exc).__mro__)
 
@@ -439,7 +439,7 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float) -> tuple[Array
     try:
         Z = root(A)
     except Exception as exc:
-        if not _is_linalg_error(exc):
+        if not is_linalg_error(exc):
             raise
         d = A.shape[-1]
         flat = xp.reshape(A, (-1, d, d))
@@ -448,7 +448,7 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float) -> tuple[Array
             try:
                 roots.append(root(flat[i, ...]))
             except Exception as exc_i:
-                if not _is_linalg_error(exc_i):
+                if not is_linalg_error(exc_i):
                     raise
                 roots.append(xp.full((d, d), math.nan, dtype=A.dtype, device=device(A)))
         Z = xp.reshape(xp.stack(roots), A.shape)

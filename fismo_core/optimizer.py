@@ -939,11 +939,19 @@ class FISMO:
             G_s, scale, inv_s2 = guards.statistics_scale(xp, G, self.statistics)
         left, right = self.structures(G.shape[-2], G.shape[-1])
         roots = _InverseRoots(self, xp, refresh, G.ndim - 2, repair)
-        lines = self._algorithm_1(G_s, scale, inv_s2, state, left, right, roots)
+        try:
+            lines = self._algorithm_1(G_s, scale, inv_s2, state, left, right, roots)
+        except Exception as exc:
+            # A root that failed its check is NaN here, flagged for later; an SVD polar factor raises on the
+            # NaN it gives (NumPy, torch) before the flag is read. The repaired step decides instead.
+            if repair or not (refresh and guards.checks_roots(self.inv_root, self.nonfinite)) \
+                    or not guards.is_linalg_error(exc):
+                raise
+            return self._guarded_step(xp, G, state, refresh, repair=True, defer_nonfinite=defer_nonfinite)
         pre = lines.preconditioners
         if repair:
             root_failures = guards.root_failure_counts(xp, self.inv_root, state, pre.P_failed, pre.Q_failed)
-            faults = guards.StepFaults()
+            faults = guards.StepFaults(nonfinite=nonfinite)  # a deferred non-finite G is still the caller's to read
         else:
             failed = guards.either_failed(pre.P_failed, pre.Q_failed)
             root_failures = guards.counted_root_failures(xp, state, failed)

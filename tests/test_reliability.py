@@ -619,19 +619,24 @@ def test_failed_float32_root_is_recomputed_in_float64(target: Target, fault: str
 
 
 @IGNORE_SQRT_WARNING
+@pytest.mark.parametrize("polar", ["newton_schulz", "svd"])
 @pytest.mark.parametrize("fault", ["raise", "nan"])
-def test_failed_root_falls_back_then_raises(target: Target, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_root_falls_back_then_raises(
+    target: Target, fault: str, polar: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """eigh failing in every precision: each step keeps P_{t-1}, Q_{t-1} and their roots (bitwise),
     warns and counts; the step is the one those preconditioners give (here from P = Q = I, the
     gamma = 1 step, bitwise); failure max_failures + 1 raises InverseRootError and changes
-    nothing; the first good step resets the count."""
+    nothing; the first good step resets the count. With ``polar="svd"`` the first pass's SVD of the
+    NaN a failed root gives raised ``LinAlgError`` out of the step (NumPy, torch) before the fault
+    flags were read."""
     xp = target.xp
     rng = np.random.default_rng(14)
     grads = [rng.standard_normal((4, 6)) for _ in range(4)]
-    opt = FISMO(inv_root={"max_failures": 2})
+    opt = FISMO(polar=polar, inv_root={"max_failures": 2})
     W = target.asarray(rng.standard_normal((4, 6)))
     state0 = state = opt.init(W)
-    identity_step = FISMO(gamma=1.0)
+    identity_step = FISMO(gamma=1.0, polar=polar)
     expected_W, _ = identity_step.step(W, target.asarray(grads[0]), identity_step.init(W))
     with monkeypatch.context() as patch:
         _patch_eigh(patch, xp, fault)
