@@ -322,6 +322,7 @@ def test_exact_fismo_long_rank_deficient_stream_with_rtol(target64: Target) -> N
     assert w[-1] / w[0] > 100  # the stream did make P ill conditioned
 
 
+@pytest.mark.numbers
 def test_the_default_cut_and_its_documented_remedies_on_rank_deficient_fismo_streams() -> None:
     """The warning of docs/linalg.md ("The streams above part late; others part at once"), on the streams
     of docs/scripts/polar_cut.py, NumPy float64: the default cut of ``polar="svd"`` lets the whitening's
