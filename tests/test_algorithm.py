@@ -462,6 +462,18 @@ def test_line_4_and_5_damp_as_printed_not_as_theorem_1() -> None:
     _check_close(Q_t, normalise(R_printed), 1e-14, "Q_t vs printed line 5")
     assert _rel(Q_t, normalise(Q_theorem)) > 1e-3
 
+    # The printed damping is mu tr(P_{t-1})/m, not mu: equal on every state FISMO reaches (trace m), so a
+    # state of another trace tells them apart (an independent audit found the check above passing either way).
+    P3, Q3 = 3.0 * P_prev, 0.5 * Q_prev
+    state3 = FISMOState(P=P3, Q=Q3, M=np.zeros((m, n)), P_inv_sqrt=_inv_sqrtm(P3), Q_inv_sqrt=_inv_sqrtm(Q3), step=7)
+    _, state3 = opt.direction(G, state3)
+    L3 = G @ np.linalg.inv(Q3) @ G.T / n
+    _check_close(state3.P, normalise(L3 + mu * np.trace(P3) / m * np.eye(m)), 1e-14, "P_t, tr(P_{t-1}) = 3m")
+    assert _rel(state3.P, normalise(L3 + mu * np.eye(m))) > 1e-2
+    R3 = G.T @ np.linalg.inv(state3.P) @ G / m
+    _check_close(state3.Q, normalise(R3 + mu * np.trace(Q3) / n * np.eye(n)), 1e-14, "Q_t, tr(Q_{t-1}) = n/2")
+    assert _rel(state3.Q, normalise(R3 + mu * np.eye(n))) > 1e-2
+
 
 # -------------------------------------------------------------- 4. gamma = 1 is Muon
 
