@@ -21,11 +21,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, TypeVar
 
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace
 
 from . import linalg
 from .kronecker import BlockDiagonalFactor, Structure, factor_structure, state_size
-from .linalg import Array
+from .linalg import Array, _device, _host_bool
 
 __all__ = ["FactorSizeWarning", "InverseRootError", "InverseRootWarning", "StepFaults", "read_faults"]
 
@@ -103,11 +103,8 @@ def check_finite(xp: Any, G: Array, W: Optional[Array] = None, *, dtype: Any = N
     finite = all_finite(xp, G)
     if W is not None:
         finite = finite & all_finite(xp, W)
-    try:
-        ok = bool(finite)
-    except TypeError:  # a traced value (jax.errors.ConcretizationTypeError is a TypeError)
-        return
-    if ok:
+    ok = _host_bool(finite)
+    if ok is None or ok:  # traced (jax.jit): nothing can be read, no check
         return
     for X, name in ((G, "G"), (W, "W")):
         if X is None or bool(xp.all(xp.isfinite(X))):
@@ -357,7 +354,7 @@ def counter(xp: Any, value: Any, shape: tuple[int, ...], dev: Any) -> Array:
 
 def restore_skipped(xp: Any, skip: Array, direction: Array, state: Any, new: Any, fields: tuple[str, ...]) -> tuple:
     """``nonfinite="skip"``: matrices flagged in ``skip`` get direction 0 and their old state, and are counted."""
-    batch, dev = tuple(skip.shape), device(direction)
+    batch, dev = tuple(skip.shape), _device(direction)
     arrays = {name: select(xp, skip, getattr(state, name), getattr(new, name)) for name in fields}
     failures = counter(xp, new.root_failures, batch, dev)
     return xp.where(skip[..., None, None], xp.zeros_like(direction), direction), new._replace(
@@ -407,15 +404,15 @@ def read_faults(*flags: Any) -> Optional[bool]:
     groups: dict[tuple[int, str], list[Array]] = {}
     for flag in arrays:
         xp = array_namespace(flag)
-        groups.setdefault((id(xp), str(device(flag))), []).append(xp.reshape(flag, (-1,)))
+        groups.setdefault((id(xp), str(_device(flag))), []).append(xp.reshape(flag, (-1,)))
     found = False
     for group in groups.values():
         xp = array_namespace(*group)
         any_set = xp.any(group[0] if len(group) == 1 else xp.concat(group))
-        try:
-            found = bool(any_set) or found
-        except TypeError:  # traced (jax.errors.ConcretizationTypeError): nothing can be read
+        read = _host_bool(any_set)
+        if read is None:  # traced (jax.jit): nothing can be read
             return None
+        found = read or found
     return found
 
 
@@ -450,16 +447,19 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float) -> tuple[Array
             except Exception as exc_i:
                 if not is_linalg_error(exc_i):
                     raise
-                roots.append(xp.full((d, d), math.nan, dtype=A.dtype, device=device(A)))
+                roots.append(xp.full((d, d), math.nan, dtype=A.dtype, device=_device(A)))
         Z = xp.reshape(xp.stack(roots), A.shape)
-    eye = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
+    eye = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
     return Z, xp.linalg.matrix_norm(Z @ A @ Z - eye)
 
 
 def _as_float64(xp: Any, A: Array) -> Optional[Array]:
-    """``A`` in float64, or ``None`` where the device has no float64 (array-api-strict's ``no_float64``, MPS)."""
+    """``A`` in float64, or ``None`` where the device has no float64 (array-api-strict's ``no_float64``, MPS,
+    JAX without ``jax_enable_x64``, which warns and gives float32: the warning is this function's to drop)."""
     try:
-        A64 = xp.astype(A, xp.float64)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Explicitly requested dtype", category=UserWarning)
+            A64 = xp.astype(A, xp.float64)
     except (TypeError, ValueError, RuntimeError):
         return None
     return A64 if A64.dtype == xp.float64 else None
@@ -508,14 +508,16 @@ def guarded_inverse_sqrt(
         return A, structure.inverse_sqrt(A, config), None
     parts = structure.parts(A)
     roots, ok = _first_attempt(xp, structure, config, parts, batch_ndim)
-    try:
-        if bool(xp.all(ok)):
-            return A, structure.from_parts(tuple(roots)), False
-    except TypeError:  # traced (jax.errors.ConcretizationTypeError): nothing can be read, no check
+    all_ok = _host_bool(xp.all(ok))
+    if all_ok is None:  # traced (jax.jit): nothing can be read, no check
         return A, structure.from_parts(tuple(roots)), None
-    if not (parts[0].dtype == xp.float64 and config.method == "eigh"):
+    if all_ok:
+        return A, structure.from_parts(tuple(roots)), False
+    retried = parts[0].dtype == xp.float64 and config.method == "eigh"  # the first attempt was the retry's
+    if not retried:
         parts64 = [_as_float64(xp, part) for part in parts]
-        if all(p is not None for p in parts64):  # the retry: eigh in float64, checked in float64
+        retried = all(p is not None for p in parts64)
+        if retried:  # the retry: eigh in float64, checked in float64
             checked64 = [_checked_root(xp, exact, p, config.tolerance) for p in parts64]
             ok64 = _matrix_ok(xp, [r for _, r in checked64], batch_ndim, config.tolerance)
             retry = ok64 & ~ok
@@ -530,7 +532,8 @@ def guarded_inverse_sqrt(
     total = math.prod(failed.shape)
     warnings.warn(
         f"FISMO: the inverse square root of {name}_t failed for {count} of {total} matrices (a LinAlgError, "
-        f"a non-finite result or ||Z {name}_t Z - I||_F > {config.tolerance}, also with eigh in float64); "
+        f"a non-finite result or ||Z {name}_t Z - I||_F > {config.tolerance}, "
+        f"{'also with eigh in float64' if retried else 'not retried in float64, unavailable here: a device without float64, or JAX without jax_enable_x64'}); "
         f"they keep {name}_(t-1) and its cached root for this step. state.root_failures counts consecutive "
         f"failures; more than InverseRootConfig.max_failures = {config.max_failures} raise InverseRootError",
         InverseRootWarning,
@@ -590,7 +593,7 @@ def counted_root_failures(xp: Any, state: Any, failed: Optional[Array]) -> Any:
     """
     if failed is None:
         return state.root_failures
-    previous = counter(xp, state.root_failures, tuple(state.M.shape[:-2]), device(state.M))
+    previous = counter(xp, state.root_failures, tuple(state.M.shape[:-2]), _device(state.M))
     return xp.where(failed, previous + 1, xp.zeros_like(previous))
 
 
@@ -603,9 +606,9 @@ def root_failure_counts(
     batch = tuple(state.M.shape[:-2])
     failed = [(name, f) for name, f in (("P", P_failed), ("Q", Q_failed)) if f is not None and f is not False]
     if not failed:
-        return xp.zeros(batch, dtype=xp.int32, device=device(state.M))
+        return xp.zeros(batch, dtype=xp.int32, device=_device(state.M))
     any_failed = failed[0][1] if len(failed) == 1 else failed[0][1] | failed[1][1]
-    previous = counter(xp, state.root_failures, batch, device(state.M))
+    previous = counter(xp, state.root_failures, batch, _device(state.M))
     counts = xp.where(any_failed, previous + 1, xp.zeros_like(previous))
     over = xp.reshape(counts > config.max_failures, (-1,))
     if bool(xp.any(over)):
@@ -614,7 +617,8 @@ def root_failure_counts(
         raise InverseRootError(
             f"FISMO: the inverse square root of {which}_t failed on more than max_failures = "
             f"{config.max_failures} consecutive steps (matrices {list(indices)} of the batch, flat "
-            f"indices), also with eigh in float64; the step was not taken and the state passed in is "
+            f"indices), also with eigh in float64 where the device has float64; the step was not taken and "
+            f"the state passed in is "
             f"unchanged. The preconditioner is too ill-conditioned for {state.M.dtype}: Algorithm 1 is not "
             f"scale invariant, and for gradient entries of size sigma P and Q can reach condition numbers "
             f"of about m sigma^2 / mu. Remedies: a larger mu, a smaller gradient scale, float64, or "

@@ -28,9 +28,9 @@ import math
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace
 
-from .linalg import Array
+from .linalg import Array, _device
 
 __all__ = [
     "BlockDiagonalFactor",
@@ -307,7 +307,7 @@ def _combine(
     b = (1 - gamma) / divisor
     c = (1 - gamma) * mu * trace_prev / d * inv_s2
     k = d / (a * trace_prev + b * trace_gram + c * d)
-    eye = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
+    eye = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
     return (k * a) * A + (k * (b / 2)) * (gram + xp.matrix_transpose(gram)) + (k * c) * eye
 
 
@@ -337,7 +337,7 @@ def to_dense(factor: Factor) -> Array:
     rows, start = [], 0
     for b in blocks:
         size = b.shape[-1]
-        zeros = lambda w: xp.zeros((*batch, size, w), dtype=b.dtype, device=device(b))  # noqa: E731
+        zeros = lambda w: xp.zeros((*batch, size, w), dtype=b.dtype, device=_device(b))  # noqa: E731
         row = [x for x in (zeros(start) if start else None, b, zeros(d - start - size) if d - start - size else None)
                if x is not None]
         rows.append(xp.concat(row, axis=-1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -178,6 +179,35 @@ def _exact_dtype(xp: Any, A: Array) -> Array:
     return xp.astype(A, xp.float32) if xp.finfo(A.dtype).bits < 32 else A
 
 
+def _device(x: Array) -> Any:
+    """``array_api_compat.device(x)``, and ``None`` for a traced JAX array (``jax.jit``, ``grad``, ``vmap``).
+
+    A tracer has no device (jit places it), and asking it costs JAX an error
+    message that walks the whole trace built so far, discarded at once: the
+    time to trace a step grew quadratically with its number of matrices.
+    """
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.core.Tracer):
+        return None
+    return device(x)
+
+
+def _host_bool(x: Array) -> Optional[bool]:
+    """``bool(x)`` of a 0-d boolean array (a host read), or ``None`` where it is traced (``jax.jit``).
+
+    A tracer is recognised without being asked: its refusal
+    (``ConcretizationTypeError``, a ``TypeError``) costs the message that
+    `_device` avoids.
+    """
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return bool(x)
+    except TypeError:  # another library's lazy array that cannot be read
+        return None
+
+
 def _check_same_namespace_and_device(*arrays: Array) -> Any:
     """The common namespace of ``arrays``; a clear error if they mix libraries or devices."""
     try:
@@ -185,7 +215,7 @@ def _check_same_namespace_and_device(*arrays: Array) -> Any:
     except TypeError as exc:
         raise TypeError(f"all arrays of one call must come from one array library: {exc}") from exc
     # A traced JAX array (jax.jit, grad, vmap) has no device (None): it may meet a concrete one.
-    devices = {str(d) for d in map(device, arrays) if d is not None}
+    devices = {str(d) for d in map(_device, arrays) if d is not None}
     if len(devices) > 1:
         raise ValueError(f"all arrays of one call must live on one device, got {sorted(devices)}")
     return xp
@@ -222,8 +252,10 @@ def _check_flag(check: Any) -> bool:
 
 
 def _dtype_name(dtype: Any) -> str:
-    """``float64`` for NumPy's, torch's (``torch.float64``), JAX's and array-api-strict's float64."""
-    return str(dtype).rsplit(".", 1)[-1]
+    """``float64`` for NumPy's, torch's (``torch.float64``), JAX's and array-api-strict's float64.
+
+    Also for a scalar type such as ``numpy.float64`` or ``jax.numpy.float64`` (what ``xp.float64`` is there)."""
+    return dtype.__name__ if isinstance(dtype, type) else str(dtype).rsplit(".", 1)[-1]
 
 
 def _first_failure(xp: Any, failed: Array, batch_shape: tuple[int, ...], name: str) -> tuple[str, int]:
@@ -720,7 +752,7 @@ def inverse_sqrt(
         return xp.astype((V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V), A.dtype, copy=False)
     if checked:  # one eigvalsh, the cost of the check on the matmul-only path
         _check_positive_definite(xp, A, xp.linalg.eigvalsh(_exact_dtype(xp, scaled)), "inverse_sqrt")
-    identity = xp.eye(A.shape[-1], dtype=A.dtype, device=device(A))
+    identity = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
     # The iteration runs on A / 4^j, 4^j <= max|A| < 4^(j+1) per matrix: its ||.||_F can neither
     # overflow nor underflow, and the root's factor 2^j is exact (bit for bit the unscaled iteration
     # wherever ||A||_F is computed without overflow or underflow).

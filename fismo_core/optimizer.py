@@ -28,12 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace
 
 from . import guards, linalg
 from .guards import InverseRootError, InverseRootWarning
 from .kronecker import BlockDiagonalFactor, Blocks, Factor, Structure, factor_structure
-from .linalg import Array, Coefficients, _check_same_namespace_and_device
+from .linalg import Array, Coefficients, _check_same_namespace_and_device, _device, _dtype_name
 
 __all__ = [
     "FISMO",
@@ -1024,8 +1024,9 @@ class FISMO:
         _check_call(G, state, self.block_size)
         if state.M.dtype != state_dtype(xp, W.dtype):
             raise TypeError(
-                f"state dtype {state.M.dtype} does not match W of dtype {W.dtype}: FISMO.init(W) "
-                f"would give {state_dtype(xp, W.dtype)} (was the state built for another parameter?)"
+                f"state dtype {_dtype_name(state.M.dtype)} does not match W of dtype {_dtype_name(W.dtype)}: "
+                f"FISMO.init(W) would give {_dtype_name(state_dtype(xp, W.dtype))} (was the state built for "
+                "another parameter?)"
             )
         if self.nonfinite == "raise":
             guards.check_finite(xp, G, W=W, dtype=state.M.dtype)
@@ -1156,11 +1157,8 @@ def _creation_device(W: Array) -> Any:
     uncommitted parameters makes a jitted step's outputs committed, and its
     second call, on committed parameters, compiles again.
     """
-    try:
-        committed = getattr(W, "committed", True)
-    except Exception:  # a traced JAX array refuses to say (ConcretizationTypeError); its device is None
-        committed = True
-    return None if committed is False else device(W)
+    dev = _device(W)  # None for a traced JAX array, which must not be asked (see _device)
+    return None if dev is None or getattr(W, "committed", True) is False else dev
 
 
 def state_dtype(xp: Any, dtype: Any) -> Any:
@@ -1283,6 +1281,14 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int]) -> Any:
                 f"should have shape {want}, got {have} (was the state built for another parameter or "
                 f"another block_size?)"
             )
+    # The state's dtype is float32 or float64 (state_dtype), one for all its arrays: a state cast to
+    # bfloat16 (optax.tree.cast, to save memory) would run the whole step in bfloat16 without a word.
+    dtypes = {_dtype_name(a.dtype) for a in arrays}
+    if len(dtypes) > 1 or not dtypes <= {"float32", "float64"}:
+        raise TypeError(
+            f"state arrays must all be float32 or all float64 (FISMO.init keeps the statistics of narrower "
+            f"parameters in float32), got {sorted(dtypes)}: was the state cast?"
+        )
     for name in ("skipped", "root_failures"):
         counter = getattr(state, name)
         if not isinstance(counter, numbers.Integral) and tuple(counter.shape) not in ((), tuple(batch)):
