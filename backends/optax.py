@@ -335,9 +335,9 @@ def scale_by_fismo(
     def _direction(G: Any, s: Any) -> tuple[Any, Any]:
         if every == 1:
             return core.direction(G, s)
-        try:  # InverseRootConfig.every > 1: eager, the step count decides in Python ...
-            refresh = core.inv_root.is_refresh_step(int(s.step))
-        except TypeError:  # ... under jit it is traced (ConcretizationTypeError), and lax.cond decides.
+        # InverseRootConfig.every > 1: eager, the step count decides in Python; under jit it is traced
+        # (recognised without asking it, see linalg._host_bool) and lax.cond decides.
+        if isinstance(s.step, jax.core.Tracer):
             # The branches' states must agree in type: the step becomes an int32 array in both.
             s = s._replace(step=jnp.asarray(s.step, dtype=jnp.int32))
             return jax.lax.cond(
@@ -345,7 +345,7 @@ def scale_by_fismo(
                 lambda: core.direction(G, s, refresh_roots=True),
                 lambda: core.direction(G, s, refresh_roots=False),
             )
-        return core.direction(G, s, refresh_roots=refresh)
+        return core.direction(G, s, refresh_roots=core.inv_root.is_refresh_step(int(s.step)))
 
     def leaf_direction(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
         """One leaf's direction (shaped and typed like ``g``) and new state."""
@@ -388,7 +388,10 @@ def scale_by_fismo(
         states = []
         for path, p in leaves:
             name = f"leaf {jax.tree_util.keystr(path)} (shape {tuple(p.shape)})"
-            check_matrix(p, name)  # before matrix_shape, whose errors could not name the leaf
+            try:
+                check_matrix(p, name)  # before matrix_shape, whose errors could not name the leaf
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc}; fismo(..., matrix_mask=...) sends such a leaf to non_matrix") from None
             p = jnp.asarray(p)  # NumPy params (loaded from a file) get a JAX state, as optax's own do
             mesh = _mesh(p)
             if mesh is not None:
@@ -404,14 +407,17 @@ def scale_by_fismo(
             # state is then an array (jax.tree.map, optax.tree.cast), and jit sees one argument kind
             # (a Python int at step 0 compiled a second executable; with every > 1, lax.cond makes it
             # an int32 array anyway).
-            states.append(state._replace(step=jnp.asarray(0, dtype=jnp.int32)))
+            # On W's device, committed as W is (an uncommitted count beside a committed leaf made the
+            # second step compile again).
+            states.append(state._replace(step=jnp.asarray(0, dtype=jnp.int32, device=_fismo._creation_device(p))))
         return ScaleByFismoState(treedef.unflatten(states))
 
     def update_fn(updates: Any, state: ScaleByFismoState, params: Any = None) -> tuple[Any, ScaleByFismoState]:
         del params
         leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [(path, jnp.asarray(g)) for path, g in leaves]  # NumPy gradients too, as optax's own take
-        states = treedef.flatten_up_to(state.states)
+        # ... and NumPy states: a checkpoint restored by np.load, pickle or jax.device_get.
+        states = [jax.tree.map(_as_jax, s) for s in treedef.flatten_up_to(state.states)]
         _check_finite_leaves(leaves)
         directions, new_states = [], []
         for (path, g), s in zip(leaves, states):
@@ -419,11 +425,21 @@ def scale_by_fismo(
                 d, s = update_on_mesh(g, s) if _mesh(g) is not None else leaf_direction(g, s)
             except InverseRootError as exc:
                 raise InverseRootError(f"leaf {jax.tree_util.keystr(path)}: {exc}", exc.indices) from exc
+            except (ValueError, TypeError) as exc:
+                if type(exc) not in (ValueError, TypeError):  # a subclass may take other arguments
+                    raise
+                raise type(exc)(f"leaf {jax.tree_util.keystr(path)} (gradient of shape {tuple(g.shape)}): "
+                                f"{exc}") from exc
             directions.append(d)
             new_states.append(s)
         return treedef.unflatten(directions), ScaleByFismoState(treedef.unflatten(new_states))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _as_jax(x: Any) -> Any:
+    """A NumPy array or scalar of a state as a JAX array; anything else (JAX arrays, Python ints) as it is."""
+    return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
 def _check_finite_leaves(leaves: list[tuple[Any, Any]]) -> None:
@@ -434,10 +450,8 @@ def _check_finite_leaves(leaves: list[tuple[Any, Any]]) -> None:
     if not leaves:
         return
     finite = jnp.stack([jnp.all(jnp.isfinite(g)) for _, g in leaves])
-    try:
-        if bool(jnp.all(finite)):
-            return
-    except TypeError:  # traced (jax.errors.ConcretizationTypeError): nothing can be read
+    ok = linalg._host_bool(jnp.all(finite))
+    if ok is None or ok:  # traced (jax.jit): nothing can be read, no check
         return
     for (path, g), ok in zip(leaves, finite.tolist()):
         if not ok:
@@ -476,6 +490,9 @@ def fismo(
     block_size: Optional[int] = _DEFAULTS.block_size,
 ) -> optax.GradientTransformation:
     """FISMO (Algorithm 1) for the matrix leaves of a pytree, as an optax transformation.
+
+    Call ``update(grads, state, params)`` with the params, as for ``optax.adamw``: the default
+    ``non_matrix`` (AdamW) and ``weight_decay`` need them; only ``scale_by_fismo`` does without.
 
     Parameters
     ----------
@@ -699,7 +716,7 @@ def _fismo_transformation(
     def labels(tree: Any) -> Any:
         mask = matrix_mask(tree) if callable(matrix_mask) else matrix_mask
         if mask is None:
-            out = jax.tree.map(lambda x: "fismo" if x.ndim >= 2 else "non_matrix", tree)
+            out = jax.tree.map(lambda x: "fismo" if np.ndim(x) >= 2 else "non_matrix", tree)  # a Python float too
         else:
             # The mask leads, as in optax.masked: inside an optax.masked, ``tree`` holds an optax.MaskedNode
             # (a node without leaves) where the mask still holds a boolean.
@@ -710,11 +727,11 @@ def _fismo_transformation(
             for path, pair in jax.tree_util.tree_flatten_with_path(pairs)[0]
             if not isinstance(pair.leaf, optax.MaskedNode)
         ]
-        small = [f"{n} (shape {tuple(x.shape)})" for n, x, lab in labelled if lab == "fismo" and x.ndim < 2]
+        small = [f"{n} (shape {np.shape(x)})" for n, x, lab in labelled if lab == "fismo" and np.ndim(x) < 2]
         if small:
             raise ValueError(f"matrix_mask selects leaves with fewer than 2 dimensions for FISMO: {', '.join(small)}")
         if other is None:
-            rest = [f"{n} (shape {tuple(x.shape)})" for n, x, lab in labelled if lab == "non_matrix"]
+            rest = [f"{n} (shape {np.shape(x)})" for n, x, lab in labelled if lab == "non_matrix"]
             if rest:
                 raise ValueError(
                     f"non_matrix='error', but these leaves are not FISMO matrices: {', '.join(rest)}; "
@@ -755,20 +772,30 @@ def _check_learning_rate(learning_rate: Any) -> None:
 
 
 def _scalars_on_the_mesh(tx: Any) -> Any:
-    """``tx`` whose ``init`` replicates every 0-d array of its state over the params' mesh, if they have one.
+    """``tx`` whose ``init`` replicates every 0-d array of its state over the params' mesh, if they have one,
+    or commits it to the params' one device if they are all committed to it.
 
     optax makes its step counts (line 9's schedule, AdamW's) on the default
-    device; the first jitted step would move them onto the mesh, and the
-    second, finding them there, would compile again.
+    device, uncommitted; the first jitted step would move them beside the
+    params, and the second, finding them there, would compile again.
     """
 
     def init_fn(params: Any) -> Any:
         state = tx.init(params)
-        on_mesh = next((x for x in jax.tree.leaves(params) if _mesh(x) is not None), None)
-        if on_mesh is None:
+        leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+        on_mesh = next((x for x in leaves if _mesh(x) is not None), None)
+        if on_mesh is not None:
+            return jax.tree.map(
+                lambda x: _replicated(x, on_mesh) if isinstance(x, jax.Array) and x.ndim == 0 else x, state
+            )
+        if not leaves or any(isinstance(x, jax.core.Tracer) or not x.committed for x in leaves):
             return state
+        devices = {d for x in leaves for d in x.devices()}
+        if len(devices) != 1:
+            return state
+        (device,) = devices
         return jax.tree.map(
-            lambda x: _replicated(x, on_mesh) if isinstance(x, jax.Array) and x.ndim == 0 else x, state
+            lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) and x.ndim == 0 else x, state
         )
 
     return tx._replace(init=init_fn)

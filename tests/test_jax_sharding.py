@@ -254,6 +254,40 @@ COMPILES: list[str] = []
 _REFERENCES: dict[str, Any] = {}
 
 
+def _wrapper_executables() -> dict[str, int]:
+    """backends.md's recipe for optax wrappers around fismo on a mesh (their counters placed after init):
+    the executables of a jitted step over three steps, per wrapper."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from fismo_core.backends.optax import fismo
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    params = {"w": jax.device_put(jnp.ones((16, 8)) + jnp.arange(8.0), NamedSharding(mesh, PartitionSpec("x", "y")))}
+    static = tuple(inspect.signature(fismo).parameters)[1:]
+    replicated = NamedSharding(mesh, PartitionSpec())
+    out = {}
+    for name, tx in [("inject_hyperparams", optax.inject_hyperparams(fismo, static_args=static)(learning_rate=0.02)),
+                     ("MultiSteps", optax.MultiSteps(fismo(0.02), 2)),
+                     ("apply_if_finite", optax.apply_if_finite(fismo(0.02), 3))]:
+        def step(p, s, g, tx=tx):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        step = jax.jit(step)
+        p, opt_state = params, tx.init(params)
+        opt_state = jax.tree.map(
+            lambda x: jax.device_put(x, replicated) if x.ndim == 0 and not x.committed else x, opt_state)
+        for i in range(3):
+            p, opt_state = step(p, opt_state, jax.tree.map(lambda x: 0.1 * x + i, p))
+        out[name] = step._cache_size()  # private API of jax.jit's functions: the compiled executables
+    return out
+
+
 def _worker() -> None:
     """Every case on 8 host devices; prints ``{case: measurements}`` as one JSON line."""
     import jax
@@ -263,7 +297,7 @@ def _worker() -> None:
         lambda event, duration, **kw: COMPILES.append(event) if event.endswith("backend_compile_duration") else None
     )
     assert jax.device_count() == DEVICES, jax.devices()
-    print(json.dumps({name: _run_case(name) for name in CASES}))
+    print(json.dumps({**{name: _run_case(name) for name in CASES}, "wrappers": _wrapper_executables()}))
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +373,12 @@ def test_jitted_step_compiles_once(results: dict[str, Any], case: str) -> None:
     """The state keeps its layout, so the second and later steps reuse the first step's executable."""
     assert results[case]["compiles_after_first_step"] == 0
     assert results[case]["state_shardings_kept"]
+
+
+def test_optax_wrappers_compile_once_with_their_counters_placed(results: dict[str, Any]) -> None:
+    """backends.md: inject_hyperparams, MultiSteps and apply_if_finite make counters on the default device
+    (two executables on a mesh, as optax.adamw alone); placed after init as the page shows, one."""
+    assert results["wrappers"] == {"inject_hyperparams": 1, "MultiSteps": 1, "apply_if_finite": 1}
 
 
 def test_eager_update_on_a_mesh(results: dict[str, Any]) -> None:
