@@ -29,6 +29,9 @@ def traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.T
     differ only when their step counts do). Each is the eager adapter's call, traced once. Only for
     a core that does not check its roots (no fault flags to return: ``nonfinite="propagate"``).
     """
+    # In the state's dtype, as the core takes it (exact): `unused` shapes the outputs like the inputs, and
+    # the direction comes out in the state's dtype, float32 for bfloat16 and float16 parameters.
+    G = G.to(stacked.M.dtype)
     leaves, spec = torch.utils._pytree.tree_flatten((G, stacked))
     is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
 

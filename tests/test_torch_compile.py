@@ -321,6 +321,26 @@ def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_roots_every_k_on_low_precision_parameters_compile(dtype):
+    """bfloat16 and float16 parameters with the roots every k steps (``FISMO.training``): the ``torch.cond``
+    of the compiled refresh shaped its unused branch like its inputs, the parameters' dtype, while the
+    direction comes out in the state's float32, and tracing raised (found by a user's hunt). One graph
+    now, equal to the eager step bit for bit."""
+    model = _matrices_only().to(dtype)
+    twin = copy.deepcopy(model)
+    batches = [x.to(dtype) for x in _batches(model, 4)]
+    make = lambda m: FISMO.training(m.parameters(), lr=0.02, nonfinite="propagate", inv_root={"every": 2})  # noqa: E731
+    opt, eager_opt = make(model), make(twin)
+    backend = CompileCounterWithBackend("aot_eager")
+    _run(model, opt, batches, torch.compile(opt.step, backend=backend, fullgraph=True))
+    _run(twin, eager_opt, batches, eager_opt.step)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert backend.frame_count == 1
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert a.dtype == dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("make", [
     lambda m, v: FISMO(m.parameters(), lr=0.02, mu=v, beta=0.9 + v, gamma=0.9 + v, nonfinite="propagate"),
     lambda m, v: FISMO.training(m.parameters(), lr=0.02, mu=v, momentum=0.9 + v, nonfinite="propagate"),
