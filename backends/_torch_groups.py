@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule  # what torch.compile(model) returns
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.optim.adamw import adamw as _adamw
 
@@ -399,6 +400,8 @@ def _head_parameters(module: torch.nn.Module, head: HeadSpec) -> tuple[set[int],
             return set(), None
         return {id(p) for p in last[1].parameters()}, repr(last[0]) if last[0] else "the module itself"
     if isinstance(head, str):
+        # A torch.compile'd model names everything "_orig_mod." first; a name is the model's own.
+        module = getattr(module, "_orig_mod", module) if isinstance(module, _OptimizedModule) else module
         named = dict(module.named_parameters())
         if head in named:
             return {id(named[head])}, repr(head)
@@ -451,7 +454,8 @@ def param_groups(
       models, ``fc`` in ResNets, the last layer of an ``nn.Sequential``. A
       model that defines its head before other linear layers needs an
       explicit ``head``. A model without ``nn.Linear`` has no head here.
-    - a name: a submodule (``"lm_head"``) or a parameter (``"lm_head.weight"``);
+    - a name: a submodule (``"lm_head"``) or a parameter (``"lm_head.weight"``),
+      as the model names it (also when ``module`` is ``torch.compile(model)``);
       an ``nn.Module`` or ``nn.Parameter`` of the model works too.
     - ``None``: no head rule; every matrix but embeddings goes to FISMO.
 

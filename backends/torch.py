@@ -495,6 +495,11 @@ class FISMO(Optimizer):
         """Core instances cached per hyperparameter set (a plain dict, which torch.compile traces)."""
         cores = self.__dict__.setdefault("_cores", {})
         key = core_key(group)
+        if torch.compiler.is_compiling():
+            # Built in the trace from the concrete key: a core cached by an eager call is an object whose
+            # float fields dynamo reads symbolically under dynamic=True, and the core's checks of them
+            # (math.isfinite) break the graph.
+            return make_core(key)
         if key not in cores:
             cores[key] = make_core(key)
         return cores[key]

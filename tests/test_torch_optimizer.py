@@ -316,6 +316,12 @@ def test_param_groups_head_override():
     # The predicate adds to the head rule.
     fismo, adamw = _split(param_groups(lm, adamw=lambda name, p: name.startswith("blocks.1.")))
     assert fismo == {id(lm.blocks[0]["attn"].weight), id(lm.blocks[0]["mlp"].weight)}
+    # A torch.compile'd model: names are the model's own, for a parameter as for a submodule (a parameter
+    # name raised, suggesting "_orig_mod." names).
+    compiled = torch.compile(lm, backend="eager")
+    for head in ("blocks.0.attn", "blocks.0.attn.weight"):
+        fismo, adamw = _split(param_groups(compiled, head=head))
+        assert id(first_attn.weight) in adamw and id(lm.lm_head.weight) in fismo, head
     # A model without nn.Linear has no automatic head.
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Conv2d(4, 2, 3))
     fismo, _ = _split(param_groups(conv))
