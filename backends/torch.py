@@ -495,10 +495,11 @@ class FISMO(Optimizer):
         """Core instances cached per hyperparameter set (a plain dict, which torch.compile traces)."""
         cores = self.__dict__.setdefault("_cores", {})
         key = core_key(group)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "propagate":
             # Built in the trace from the concrete key: a core cached by an eager call is an object whose
             # float fields dynamo reads symbolically under dynamic=True, and the core's checks of them
-            # (math.isfinite) break the graph.
+            # (math.isfinite) break the one graph. Not with host reads: their graph breaks would hand a
+            # new core to the next frame at every step, and its guards would recompile it.
             return make_core(key)
         if key not in cores:
             cores[key] = make_core(key)
