@@ -387,11 +387,36 @@ def adamw_group_step(state: dict, group: dict, skip: Union[set, frozenset] = fro
 HeadSpec = Union[str, torch.nn.Module, torch.nn.Parameter, None]
 
 
+def _weight_parameters(m: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters behind ``m.weight``, read without computing it.
+
+    Under ``torch.nn.utils.parametrize`` reading ``m.weight`` runs the
+    parametrisation (spectral norm's power iteration updates its buffers): the
+    originals are read instead, those of the weight's own shape (weight norm's
+    direction ``original1``, not its ``(out, 1)`` magnitude).
+    """
+    if torch.nn.utils.parametrize.is_parametrized(m, "weight"):
+        originals = dict(m.parametrizations.weight.named_parameters())
+        if "original" in originals:
+            return [originals["original"]]
+        return [p for p in originals.values() if p.ndim >= 2 and 1 not in (p.shape[0], math.prod(p.shape[1:]))]
+    weight = m._parameters.get("weight")
+    return [weight] if weight is not None else []
+
+
 def _head_parameters(module: torch.nn.Module, head: HeadSpec) -> tuple[set[int], Optional[str]]:
     """The ids of the output head's parameters under ``param_groups``' ``head`` rule, and the head's name."""
     if head is None:
         return set(), None
     if isinstance(head, str) and head == "auto":
+        # A Hugging Face model names its head; the last nn.Linear is not always it (VisionEncoderDecoderModel
+        # defines enc_to_dec_proj after the decoder and its lm_head).
+        named_head = getattr(module, "get_output_embeddings", None)
+        found = named_head() if callable(named_head) else None
+        if isinstance(found, torch.nn.Linear):
+            name = next((n for n, m in module.named_modules() if m is found), None)
+            if name is not None:
+                return {id(p) for p in found.parameters()}, repr(name) if name else "the module itself"
         last = None
         for name, m in module.named_modules():
             if isinstance(m, torch.nn.Linear):
@@ -438,10 +463,13 @@ def param_groups(
 ) -> list[dict]:
     """Split a module's trainable parameters the way Muon users do.
 
-    Tensors with fewer than 2 dimensions, tensors whose first dimension is 1
-    and that are no linear or conv layer's weight (learned tokens and position
-    tables: ViT's ``cls_token`` ``(1, 1, d)`` and ``pos_embed`` ``(1, T, d)``,
-    which FISMO would optimise as one row with a ``T d x T d`` factor),
+    Tensors with fewer than 2 dimensions, tensors that are no linear or conv
+    layer's weight and whose matrix form has a side of 1 (learned tokens and
+    position tables: ViT's ``cls_token`` ``(1, 1, d)`` and ``pos_embed``
+    ``(1, T, d)``, which FISMO would optimise as one row with a ``T d x T d``
+    factor; weight norm's ``(out, 1)`` magnitude), tensors of more than two
+    dimensions that are no conv weight (a mixture of experts' stacked
+    ``(experts, out, in)``, with a ``UserWarning``),
     ``nn.Embedding`` weights, the output head and every
     parameter for which ``adamw(name, p)`` is true go to an ``"adamw"`` group
     with ``adamw_options``; the other matrices (linear and conv weights) go to
@@ -449,7 +477,9 @@ def param_groups(
 
     ``head`` picks the output head:
 
-    - ``"auto"`` (default): the **last** ``nn.Linear`` in ``module.modules()``
+    - ``"auto"`` (default): a Hugging Face model's own head,
+      ``module.get_output_embeddings()``, when that is an ``nn.Linear`` of the
+      model; else the **last** ``nn.Linear`` in ``module.modules()``
       order, which is the order of definition: ``lm_head`` in GPT-2 and LLaMA
       models, ``fc`` in ResNets, the last layer of an ``nn.Sequential``. A
       model that defines its head before other linear layers needs an
@@ -463,26 +493,42 @@ def param_groups(
     (a model that is one linear layer, say): pass ``head=None`` then.
     """
     embedding_weights = {
-        id(m.weight) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        id(w) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        for w in _weight_parameters(m)
     }
-    layer_weights = {
-        id(m.weight) for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))
-    }
+    layers = [m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))]
+    layer_weights = {id(w) for m in layers for w in _weight_parameters(m)}
+    conv_weights = {id(w) for m in layers if isinstance(m, torch.nn.modules.conv._ConvNd) for w in _weight_parameters(m)}
     head_ids, head_name = _head_parameters(module, head)
     matrices: list[torch.nn.Parameter] = []
     others: list[torch.nn.Parameter] = []
+    stacks: list[str] = []
     head_matrices = 0
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        # A leading dimension of 1 outside a layer's weight: a learned token or table (ViT's cls_token
-        # (1, 1, d) and pos_embed (1, T, d), MultiheadAttention's bias_k), one row to FISMO with a
-        # (T d) x (T d) factor Q. A linear or conv layer with one output keeps its weight on FISMO.
-        table = p.shape[0] == 1 and id(p) not in layer_weights
-        other_rule = p.ndim < 2 or table or id(p) in embedding_weights or (adamw is not None and adamw(name, p))
+        # A side of 1 outside a layer's weight: a learned token or table (ViT's cls_token (1, 1, d) and
+        # pos_embed (1, T, d), MultiheadAttention's bias_k), one row to FISMO with a (T d) x (T d) factor
+        # Q; or a column (weight norm's magnitude (out, 1), a rank-1 adapter). A linear or conv layer with
+        # one output keeps its weight on FISMO.
+        vector = p.ndim >= 2 and 1 in (p.shape[0], math.prod(p.shape[1:])) and id(p) not in layer_weights
+        # More than two dimensions outside a conv layer: a stack of matrices (a mixture of experts'
+        # (experts, out, in)), which FISMO would optimise as one (experts, out * in) matrix.
+        stack = p.ndim > 2 and not vector and id(p) not in conv_weights
+        stacks += [f"{name} {tuple(p.shape)}"] if stack else []
+        other_rule = (p.ndim < 2 or vector or stack or id(p) in embedding_weights
+                      or (adamw is not None and adamw(name, p)))
         to_adamw = other_rule or id(p) in head_ids
         head_matrices += not other_rule and id(p) in head_ids  # on AdamW only because it is the head
         (others if to_adamw else matrices).append(p)
+    if stacks:
+        warnings.warn(
+            f"param_groups: {', '.join(stacks)} went to AdamW: tensors of more than two dimensions that are no "
+            "conv weight (a mixture of experts' stacked weights) would be one flattened matrix to FISMO, not a "
+            "batch of matrices (torch.optim.Muon refuses them)",
+            UserWarning,
+            stacklevel=2,
+        )
     if not matrices and head_matrices:
         warnings.warn(
             f"param_groups: the output head ({head_name}) was the only matrix for FISMO and went to AdamW, "

@@ -328,6 +328,43 @@ def test_param_groups_head_override():
     assert fismo == {id(conv[0].weight), id(conv[1].weight)}
 
 
+def test_param_groups_on_the_tensors_real_models_hold():
+    """A user's hunt through Hugging Face models (2026-11-28): a 0-d parameter (CLIP's ``logit_scale``)
+    raised IndexError; a column outside a layer's weight (weight norm's ``(out, 1)`` magnitude, a rank-1
+    adapter) went to FISMO while the same row went to AdamW; a mixture of experts' stacked weights
+    ``(experts, out, in)`` went to FISMO as one ``(experts, out * in)`` matrix, silently (AdamW now, with a
+    warning naming them); reading a parametrised layer's ``weight`` ran its parametrisation (spectral norm's
+    power iteration changed the model); ``head="auto"`` took the last ``nn.Linear`` where a Hugging Face
+    model names its head (``get_output_embeddings``)."""
+    torch.manual_seed(0)
+    weight_normed = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 6))
+    spectral = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(6, 6))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temperature = torch.nn.Parameter(torch.tensor(1.0))
+            self.column = torch.nn.Parameter(torch.randn(6, 1))
+            self.experts = torch.nn.Parameter(torch.randn(4, 6, 6))
+            self.weight_normed, self.spectral = weight_normed, spectral
+            self.lm_head = torch.nn.Linear(6, 10)
+            self.projection = torch.nn.Linear(6, 6)  # defined after the head
+
+        def get_output_embeddings(self):  # what Hugging Face models answer
+            return self.lm_head
+
+    model = Model()
+    u_before = spectral.parametrizations.weight[0]._u.clone()
+    with pytest.warns(UserWarning, match=r"experts \(4, 6, 6\) went to AdamW: tensors of more than two dimensions"):
+        fismo, adamw = _split(param_groups(model))
+    originals = dict(weight_normed.parametrizations.weight.named_parameters())
+    assert fismo == {id(originals["original1"]), id(spectral.parametrizations.weight.original),
+                     id(model.projection.weight)}
+    assert {id(model.temperature), id(model.column), id(model.experts), id(originals["original0"]),
+            id(model.lm_head.weight)} <= adamw
+    assert torch.equal(spectral.parametrizations.weight[0]._u, u_before)  # param_groups changed nothing
+
+
 def test_param_groups_head_errors_and_warning():
     lm = _TinyLM()
     with pytest.raises(ValueError, match=r"head='decoder' is neither a submodule nor a parameter.*'lm_head'"):
