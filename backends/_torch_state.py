@@ -170,11 +170,19 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
                 _check_adamw_layout(saved_state.get(index) or {}, p, param_name(group, i, gi))
             continue
         block_size, saved_block_size = group.get("block_size"), saved_group.get("block_size")
-        if saved_block_size != block_size:
+        # Another block_size that splits none of the group's matrices differently (block_size >= both sides
+        # is the full factor) leaves every state as it is: the checkpoint loads (with its own block_size,
+        # as load_state_dict takes every saved hyperparameter).
+        if saved_block_size != block_size and any(
+            _fismo.state_block_size(*_fismo.matrix_shape(p.shape), saved_block_size)
+            != _fismo.state_block_size(*_fismo.matrix_shape(p.shape), block_size)
+            for p in group["params"]
+        ):
             raise ValueError(
                 f"param group {gi} has block_size={block_size!r}, but the checkpoint's group {gi} was saved with "
-                f"block_size={saved_block_size!r}: a state cannot change its blocks. Resume with "
-                f"block_size={saved_block_size!r} in that group, or start a new state"
+                f"block_size={saved_block_size!r}, and the two split the group's matrices into different blocks: "
+                f"a state cannot change its blocks. Resume with block_size={saved_block_size!r} in that group, or "
+                "start a new state"
             )
         for i, (index, p) in enumerate(zip(saved_group["params"], group["params"])):
             saved = saved_state.get(index)

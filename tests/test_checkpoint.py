@@ -411,6 +411,25 @@ def test_torch_checkpoint_with_another_block_size_is_refused(saved_with, load_wi
     assert _same(torch, before, _snapshot(torch, other))
 
 
+@pytest.mark.parametrize("saved_with, load_with", [(None, 512), (512, 5), (5, None)])
+def test_torch_checkpoint_with_a_block_size_that_splits_nothing_differently_loads(saved_with, load_with) -> None:
+    """``block_size`` at or above both sides of every matrix is the full factor, bit for bit: a checkpoint
+    saved with ``block_size=None`` was refused by a ``FISMO.training`` optimizer (``block_size=512``) on a
+    small model, although no state would change (a user's hunt). It loads, and the run goes on as the
+    uninterrupted one."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch, block_size=saved_with)  # matrices of sides 4 and 5 at most
+    _torch_train(torch, model, opt, range(2))
+    saved = opt.state_dict()
+    twin, other = _torch_setup(torch, block_size=load_with)
+    twin.load_state_dict(model.state_dict())
+    other.load_state_dict(copy.deepcopy(saved))  # a copy: AdamW groups share loaded tensors (torch's behaviour)
+    _torch_train(torch, model, opt, [2, 3])
+    _torch_train(torch, twin, other, [2, 3])
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_torch_blocked_checkpoint_that_does_not_fit_is_refused() -> None:
     """A blocked state without its remainder block, or a full state with one, is refused naming the key."""
     torch = pytest.importorskip("torch")
