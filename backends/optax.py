@@ -43,6 +43,7 @@ once and the params keep their sharding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -260,6 +261,80 @@ def _replicated(x: Any, like: Any) -> Any:
     return jax.device_put(x, NamedSharding(like.sharding.mesh, PartitionSpec()))
 
 
+class _LeafPrograms(NamedTuple):
+    """What `scale_by_fismo` runs per leaf, for one core and one ``matrix_shape`` (`_leaf_programs`)."""
+
+    leaf_direction: Callable[[Any, FISMOState], tuple[Any, FISMOState]]
+    init_on_mesh: Callable[..., FISMOState]
+    update_on_mesh: Callable[[Any, FISMOState], tuple[Any, FISMOState]]
+
+
+@functools.lru_cache(maxsize=64)
+def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
+    """`scale_by_fismo`'s per-leaf functions, built once per (core, ``matrix_shape``).
+
+    ``optax.inject_hyperparams`` builds the transformation again at every
+    ``update``; new ``jax.jit`` objects would then compile the eager mesh
+    programs again at every step. A core is a frozen dataclass: equal
+    hyperparameters share them.
+    """
+    every = core.inv_root.every
+
+    def _direction(G: Any, s: Any) -> tuple[Any, Any]:
+        if every == 1:
+            return core.direction(G, s)
+        # InverseRootConfig.every > 1: eager, the step count decides in Python; under jit it is traced
+        # (recognised without asking it, see linalg._host_bool) and lax.cond decides.
+        if isinstance(s.step, jax.core.Tracer):
+            # The branches' states must agree in type: the step becomes an int32 array in both.
+            s = s._replace(step=jnp.asarray(s.step, dtype=jnp.int32))
+            return jax.lax.cond(
+                core.inv_root.is_refresh_step(s.step),
+                lambda: core.direction(G, s, refresh_roots=True),
+                lambda: core.direction(G, s, refresh_roots=False),
+            )
+        return core.direction(G, s, refresh_roots=core.inv_root.is_refresh_step(int(s.step)))
+
+    def leaf_direction(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
+        """One leaf's direction (shaped and typed like ``g``) and new state."""
+        d, s = _direction(_as_matrix(g, matrix_shape), s)
+        return jnp.reshape(d, g.shape).astype(g.dtype), s
+
+    def init_on_mesh(p: Any, name: str, spec: Optional[PartitionSpec]) -> FISMOState:
+        """`FISMO.init` for a leaf on a mesh, laid out by `_state_specs`; ``spec`` is the leaf's if known."""
+        mesh = _mesh(p)
+
+        def build(p: Any) -> FISMOState:
+            # On a mesh the step count is an int32 array from the start, placed with the rest: a
+            # Python int would be placed by the first jitted step, and the second would compile again.
+            return core.init(_as_matrix(p, matrix_shape), name=name)._replace(step=jnp.zeros((), jnp.int32))
+
+        M_spec = None if spec is None else _matrix_spec(spec, tuple(p.shape), matrix_shape)
+        if _is_explicit(mesh):
+            m, n = _matrix_dims(tuple(p.shape), matrix_shape)
+            out = _shardings(mesh, _state_specs(core, mesh, m, n, M_spec))
+            return jax.sharding.auto_axes(build, out_sharding=out)(p)
+        return _place_state(build(p), mesh, M_like=_as_matrix(p, matrix_shape), M_spec=M_spec)
+
+    def update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
+        """`leaf_direction` for a leaf on a mesh: the direction laid out like ``g``, the state as it came in."""
+        mesh = _mesh(g)
+        if _is_explicit(mesh):
+            out = jax.tree.map(lambda x: NamedSharding(mesh, jax.typeof(x).sharding.spec), (g, s))
+            return jax.sharding.auto_axes(leaf_direction, out_sharding=out)(g, s)
+        d, s_new = leaf_direction(g, s)
+        return shard_alike(d, g)[0], _place_state(s_new, mesh, M_like=s.M)
+
+    # Compiled once per leaf shape and layout; inside the caller's jax.jit they are inlined. Eagerly the
+    # core cannot run on a mesh op by op: its factors and M live on different shardings, which it
+    # reads as different devices.
+    return _LeafPrograms(
+        leaf_direction,
+        jax.jit(init_on_mesh, static_argnames=("name", "spec"), keep_unused=True),
+        jax.jit(update_on_mesh),
+    )
+
+
 @foreign_keywords("fismo_core.backends.optax.scale_by_fismo", notes=_OPTAX_MUON_NOTES)
 def scale_by_fismo(
     beta: float = _DEFAULTS.beta,
@@ -330,58 +405,7 @@ def scale_by_fismo(
         block_size=block_size,
     )
 
-    every = core.inv_root.every
-
-    def _direction(G: Any, s: Any) -> tuple[Any, Any]:
-        if every == 1:
-            return core.direction(G, s)
-        # InverseRootConfig.every > 1: eager, the step count decides in Python; under jit it is traced
-        # (recognised without asking it, see linalg._host_bool) and lax.cond decides.
-        if isinstance(s.step, jax.core.Tracer):
-            # The branches' states must agree in type: the step becomes an int32 array in both.
-            s = s._replace(step=jnp.asarray(s.step, dtype=jnp.int32))
-            return jax.lax.cond(
-                core.inv_root.is_refresh_step(s.step),
-                lambda: core.direction(G, s, refresh_roots=True),
-                lambda: core.direction(G, s, refresh_roots=False),
-            )
-        return core.direction(G, s, refresh_roots=core.inv_root.is_refresh_step(int(s.step)))
-
-    def leaf_direction(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
-        """One leaf's direction (shaped and typed like ``g``) and new state."""
-        d, s = _direction(_as_matrix(g, matrix_shape), s)
-        return jnp.reshape(d, g.shape).astype(g.dtype), s
-
-    def init_on_mesh(p: Any, name: str, spec: Optional[PartitionSpec]) -> FISMOState:
-        """`FISMO.init` for a leaf on a mesh, laid out by `_state_specs`; ``spec`` is the leaf's if known."""
-        mesh = _mesh(p)
-
-        def build(p: Any) -> FISMOState:
-            # On a mesh the step count is an int32 array from the start, placed with the rest: a
-            # Python int would be placed by the first jitted step, and the second would compile again.
-            return core.init(_as_matrix(p, matrix_shape), name=name)._replace(step=jnp.zeros((), jnp.int32))
-
-        M_spec = None if spec is None else _matrix_spec(spec, tuple(p.shape), matrix_shape)
-        if _is_explicit(mesh):
-            m, n = _matrix_dims(tuple(p.shape), matrix_shape)
-            out = _shardings(mesh, _state_specs(core, mesh, m, n, M_spec))
-            return jax.sharding.auto_axes(build, out_sharding=out)(p)
-        return _place_state(build(p), mesh, M_like=_as_matrix(p, matrix_shape), M_spec=M_spec)
-
-    def update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
-        """`leaf_direction` for a leaf on a mesh: the direction laid out like ``g``, the state as it came in."""
-        mesh = _mesh(g)
-        if _is_explicit(mesh):
-            out = jax.tree.map(lambda x: NamedSharding(mesh, jax.typeof(x).sharding.spec), (g, s))
-            return jax.sharding.auto_axes(leaf_direction, out_sharding=out)(g, s)
-        d, s_new = leaf_direction(g, s)
-        return shard_alike(d, g)[0], _place_state(s_new, mesh, M_like=s.M)
-
-    # Compiled once per leaf shape and layout; inside the caller's jax.jit they are inlined. Eagerly the
-    # core cannot run on a mesh op by op: its factors and M live on different shardings, which it
-    # reads as different devices.
-    init_on_mesh = jax.jit(init_on_mesh, static_argnames=("name", "spec"), keep_unused=True)
-    update_on_mesh = jax.jit(update_on_mesh)
+    leaf_direction, init_on_mesh, update_on_mesh = _leaf_programs(core, matrix_shape)
 
     def init_fn(params: Any) -> ScaleByFismoState:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -285,6 +285,18 @@ def _wrapper_executables() -> dict[str, int]:
         for i in range(3):
             p, opt_state = step(p, opt_state, jax.tree.map(lambda x: 0.1 * x + i, p))
         out[name] = step._cache_size()  # private API of jax.jit's functions: the compiled executables
+    # Eager updates of inject_hyperparams(fismo), which builds the transformation again at every update:
+    # the XLA compilations after the first step (each step compiled its mesh programs again before they
+    # were cached per core).
+    tx = optax.inject_hyperparams(fismo, static_args=static)(learning_rate=0.02)
+    opt_state, p = tx.init(params), params
+    before = None
+    for i in range(3):
+        before = len(COMPILES) if i == 1 else before
+        updates, opt_state = tx.update(jax.tree.map(lambda x: 0.1 * x + i, p), opt_state, p)
+        p = optax.apply_updates(p, updates)
+    jax.block_until_ready(p)
+    out["eager inject_hyperparams, compilations after the first step"] = len(COMPILES) - before
     return out
 
 
@@ -377,8 +389,10 @@ def test_jitted_step_compiles_once(results: dict[str, Any], case: str) -> None:
 
 def test_optax_wrappers_compile_once_with_their_counters_placed(results: dict[str, Any]) -> None:
     """backends.md: inject_hyperparams, MultiSteps and apply_if_finite make counters on the default device
-    (two executables on a mesh, as optax.adamw alone); placed after init as the page shows, one."""
-    assert results["wrappers"] == {"inject_hyperparams": 1, "MultiSteps": 1, "apply_if_finite": 1}
+    (two executables on a mesh, as optax.adamw alone); placed after init as the page shows, one. And eager
+    updates of inject_hyperparams(fismo) compile nothing after the first step (they compiled at every step)."""
+    assert results["wrappers"] == {"inject_hyperparams": 1, "MultiSteps": 1, "apply_if_finite": 1,
+                                   "eager inject_hyperparams, compilations after the first step": 0}
 
 
 def test_eager_update_on_a_mesh(results: dict[str, Any]) -> None:
