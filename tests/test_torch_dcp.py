@@ -295,7 +295,7 @@ def test_the_layouts_are_what_they_say(runs):
 
 
 # ----------------------------------------------------------------- checkpoints that do not fit
-def _saved_in_one_process(path: Path, **group_options) -> None:
+def _saved_in_one_process(path: Path, **group_options) -> tuple:
     from fismo_core.backends.torch import FISMO, param_groups
 
     model = _model()
@@ -304,6 +304,7 @@ def _saved_in_one_process(path: Path, **group_options) -> None:
     X, Y = _data()
     _train(model, opt, X, Y, range(2))
     _save(model, opt, path)
+    return model, opt
 
 
 def _fresh(**group_options):
@@ -324,12 +325,20 @@ def test_a_checkpoint_with_other_block_shapes_is_refused_by_dcp(tmp_path):
         _load(model, opt, tmp_path / "ckpt")
 
 
-def test_a_checkpoint_with_another_block_size_of_the_same_shapes_is_refused(tmp_path):
-    """block_size=16 leaves every side of this model whole, so the shapes fit; the group's block_size does not."""
-    _saved_in_one_process(tmp_path / "ckpt", block_size=16)
+def test_a_checkpoint_with_a_block_size_that_splits_nothing_differently_loads(tmp_path):
+    """block_size=16 leaves every side of this model whole: its states are block_size=None's, and the
+    checkpoint loads (until 2026-11-28 it was refused for the value alone), taking its block_size as
+    load_state_dict takes every saved hyperparameter; the run goes on as the uninterrupted one. A block_size
+    that splits a matrix otherwise gives other shapes, which DCP refuses (the test above)."""
+    saved_model, saved_opt = _saved_in_one_process(tmp_path / "ckpt", block_size=16)
     model, opt = _fresh()
-    with pytest.raises(ValueError, match=r"block_size=None.*block_size=16"):
-        _load(model, opt, tmp_path / "ckpt")
+    _load(model, opt, tmp_path / "ckpt")
+    assert opt.param_groups[0]["block_size"] == 16
+    X, Y = _data()
+    _train(model, opt, X, Y, range(2, 4))
+    _train(saved_model, saved_opt, X, Y, range(2, 4))
+    for a, b in zip(model.parameters(), saved_model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_dcp(tmp_path):
