@@ -445,6 +445,12 @@ def scale_by_fismo(
         _check_finite_leaves(leaves)
         directions, new_states = [], []
         for (path, g), s in zip(leaves, states):
+            if _mesh(g) is None and _mesh(s.M) is not None and not isinstance(g, jax.core.Tracer):
+                # A leaf on a mesh given a NumPy or one-device gradient (eagerly), which optax's own
+                # transformations take: laid out like M (the leaf's layout when it is a matrix), else
+                # replicated on M's mesh.
+                same = tuple(g.shape) == tuple(s.M.shape)
+                g = jax.device_put(g, s.M.sharding if same else NamedSharding(s.M.sharding.mesh, PartitionSpec()))
             try:
                 d, s = update_on_mesh(g, s) if _mesh(g) is not None else leaf_direction(g, s)
             except InverseRootError as exc:

@@ -300,6 +300,34 @@ def _wrapper_executables() -> dict[str, int]:
     return out
 
 
+def _numpy_gradients() -> dict[str, Any]:
+    """Sharded params, an eager update with NumPy gradients (a matrix leaf and a conv kernel): the error
+    against the same update on one device, and whether the updates are laid out like the params."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from fismo_core.backends.optax import fismo
+    from fismo_core.testing import max_relative_error
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    rng = np.random.default_rng(5)
+    host = {"w": rng.standard_normal((16, 8)), "conv": rng.standard_normal((8, 4, 2, 2))}
+    grads = {k: rng.standard_normal(v.shape) for k, v in host.items()}  # NumPy
+    specs = {"w": PartitionSpec("x", "y"), "conv": PartitionSpec("x")}
+    params = {k: jax.device_put(jnp.asarray(v), NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    tx = fismo(0.02)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    single = {k: jnp.asarray(v) for k, v in host.items()}
+    reference, _ = tx.update(grads, tx.init(single), single)
+    return {
+        "error": max(max_relative_error(np.asarray(updates[k]), np.asarray(reference[k])) for k in host),
+        "laid_out_like_params": {k: updates[k].sharding.is_equivalent_to(params[k].sharding, params[k].ndim)
+                                 for k in host},
+    }
+
+
 def _worker() -> None:
     """Every case on 8 host devices; prints ``{case: measurements}`` as one JSON line."""
     import jax
@@ -309,7 +337,8 @@ def _worker() -> None:
         lambda event, duration, **kw: COMPILES.append(event) if event.endswith("backend_compile_duration") else None
     )
     assert jax.device_count() == DEVICES, jax.devices()
-    print(json.dumps({**{name: _run_case(name) for name in CASES}, "wrappers": _wrapper_executables()}))
+    print(json.dumps({**{name: _run_case(name) for name in CASES}, "wrappers": _wrapper_executables(),
+                      "numpy_gradients": _numpy_gradients()}))
 
 
 @pytest.fixture(scope="module")
@@ -393,6 +422,17 @@ def test_optax_wrappers_compile_once_with_their_counters_placed(results: dict[st
     updates of inject_hyperparams(fismo) compile nothing after the first step (they compiled at every step)."""
     assert results["wrappers"] == {"inject_hyperparams": 1, "MultiSteps": 1, "apply_if_finite": 1,
                                    "eager inject_hyperparams, compilations after the first step": 0}
+
+
+def test_eager_update_on_a_mesh_with_numpy_gradients(results: dict[str, Any]) -> None:
+    """NumPy (or one-device) gradients for sharded params, eagerly, as optax.adamw takes them: the mesh
+    path was chosen from the gradient's placement, and the core saw the state's shardings beside a
+    one-device gradient (ValueError "one device"). The same update as on one device (eager against eager
+    on other layouts: float64 rounding, bound 1e-12), laid out like the params (the conv kernel's matrix
+    form is not its shape: replicated there)."""
+    out = results["numpy_gradients"]
+    assert out["error"] <= 1e-12, out
+    assert out["laid_out_like_params"]["w"], out
 
 
 def test_eager_update_on_a_mesh(results: dict[str, Any]) -> None:
