@@ -30,7 +30,7 @@ from torch.optim.adamw import adamw as _adamw
 from fismo_core.guards import MUON_KEYWORDS, MUON_POLAR_KEYWORDS, foreign_keyword_error
 from fismo_core import guards as _guards  # the rules every adapter shares, looked up at each call
 from fismo_core.optimizer import FISMO as _CoreFISMO
-from fismo_core.optimizer import InverseRootConfig, PolarConfig
+from fismo_core.optimizer import InverseRootConfig, PolarConfig, matrix_shape
 
 from ._torch_distributed import is_dtensor, validate_dtensor
 
@@ -387,6 +387,11 @@ def adamw_group_step(state: dict, group: dict, skip: Union[set, frozenset] = fro
 HeadSpec = Union[str, torch.nn.Module, torch.nn.Parameter, None]
 
 
+def _a_vector(p: torch.Tensor) -> bool:
+    """Fewer than two dimensions, or a matrix form (`matrix_shape`) with a side of 1: a row or a column."""
+    return p.ndim < 2 or 1 in matrix_shape(p.shape)
+
+
 def _weight_parameters(m: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters behind ``m.weight``, read without computing it.
 
@@ -399,7 +404,7 @@ def _weight_parameters(m: torch.nn.Module) -> list[torch.nn.Parameter]:
         originals = dict(m.parametrizations.weight.named_parameters())
         if "original" in originals:
             return [originals["original"]]
-        return [p for p in originals.values() if p.ndim >= 2 and 1 not in (p.shape[0], math.prod(p.shape[1:]))]
+        return [p for p in originals.values() if not _a_vector(p)]
     weight = m._parameters.get("weight")
     return [weight] if weight is not None else []
 
@@ -511,7 +516,7 @@ def param_groups(
         # pos_embed (1, T, d), MultiheadAttention's bias_k), one row to FISMO with a (T d) x (T d) factor
         # Q; or a column (weight norm's magnitude (out, 1), a rank-1 adapter). A linear or conv layer with
         # one output keeps its weight on FISMO.
-        vector = p.ndim >= 2 and 1 in (p.shape[0], math.prod(p.shape[1:])) and id(p) not in layer_weights
+        vector = p.ndim >= 2 and _a_vector(p) and id(p) not in layer_weights
         # More than two dimensions outside a conv layer: a stack of matrices (a mixture of experts'
         # (experts, out, in)), which FISMO would optimise as one (experts, out * in) matrix.
         stack = p.ndim > 2 and not vector and id(p) not in conv_weights

@@ -530,10 +530,11 @@ def guarded_inverse_sqrt(
     if count == 0:
         return A, root, False
     total = math.prod(failed.shape)
+    retry = ("also with eigh in float64" if retried else
+             "not retried in float64, unavailable here: a device without float64, or JAX without jax_enable_x64")
     warnings.warn(
         f"FISMO: the inverse square root of {name}_t failed for {count} of {total} matrices (a LinAlgError, "
-        f"a non-finite result or ||Z {name}_t Z - I||_F > {config.tolerance}, "
-        f"{'also with eigh in float64' if retried else 'not retried in float64, unavailable here: a device without float64, or JAX without jax_enable_x64'}); "
+        f"a non-finite result or ||Z {name}_t Z - I||_F > {config.tolerance}, {retry}); "
         f"they keep {name}_(t-1) and its cached root for this step. state.root_failures counts consecutive "
         f"failures; more than InverseRootConfig.max_failures = {config.max_failures} raise InverseRootError",
         InverseRootWarning,

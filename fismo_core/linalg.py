@@ -179,28 +179,29 @@ def _exact_dtype(xp: Any, A: Array) -> Array:
     return xp.astype(A, xp.float32) if xp.finfo(A.dtype).bits < 32 else A
 
 
-def _device(x: Array) -> Any:
-    """``array_api_compat.device(x)``, and ``None`` for a traced JAX array (``jax.jit``, ``grad``, ``vmap``).
+def _is_traced(x: Any) -> bool:
+    """Whether ``x`` is a traced JAX array (``jax.jit``, ``grad``, ``vmap``), found without asking it.
 
-    A tracer has no device (jit places it), and asking it costs JAX an error
-    message that walks the whole trace built so far, discarded at once: the
-    time to trace a step grew quadratically with its number of matrices.
+    Asking a tracer for its device or value costs JAX an error message that
+    walks the whole trace built so far, discarded at once: the time to trace
+    a step grew quadratically with its number of matrices. JAX is not
+    imported for this (``sys.modules``).
     """
     jax = sys.modules.get("jax")
-    if jax is not None and isinstance(x, jax.core.Tracer):
-        return None
-    return device(x)
+    return jax is not None and isinstance(x, jax.core.Tracer)
+
+
+def _device(x: Array) -> Any:
+    """``array_api_compat.device(x)``, and ``None`` for a traced JAX array (jit places it): `_is_traced`."""
+    return None if _is_traced(x) else device(x)
 
 
 def _host_bool(x: Array) -> Optional[bool]:
     """``bool(x)`` of a 0-d boolean array (a host read), or ``None`` where it is traced (``jax.jit``).
 
-    A tracer is recognised without being asked: its refusal
-    (``ConcretizationTypeError``, a ``TypeError``) costs the message that
-    `_device` avoids.
+    A tracer is recognised without being asked (`_is_traced`).
     """
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(x, jax.core.Tracer):
+    if _is_traced(x):
         return None
     try:
         return bool(x)
