@@ -784,7 +784,7 @@ def _fismo_transformation(
     ]
     matrix_tx.append(_line_9(learning_rate, weight_decay, matrix_shape, step_scale))
     transforms = {"fismo": optax.chain(*matrix_tx), "non_matrix": other if other is not None else optax.identity()}
-    return _scalars_on_the_mesh(optax.partition(transforms, labels))
+    return _scalars_beside_the_params(optax.partition(transforms, labels))
 
 
 def _check_learning_rate(learning_rate: Any) -> None:
@@ -801,7 +801,7 @@ def _check_learning_rate(learning_rate: Any) -> None:
         raise ValueError(f"learning_rate must be a finite number >= 0 or a schedule, got {learning_rate!r}")
 
 
-def _scalars_on_the_mesh(tx: Any) -> Any:
+def _scalars_beside_the_params(tx: Any) -> Any:
     """``tx`` whose ``init`` replicates every 0-d array of its state over the params' mesh, if they have one,
     or commits it to the params' one device if they are all committed to it.
 
