@@ -405,6 +405,10 @@ class FISMOState(NamedTuple):
                     f"state.{name} must be an integer array of shape {tuple(batch)} (the batch shape of "
                     f"{tuple(like.shape)}) or (), got {x.dtype} of shape {tuple(x.shape)}"
                 )
+            # Counts, kept as int32 (a narrower dtype is not compared with a bound it cannot hold).
+            too_big = xp.iinfo(x.dtype).max > _INT32_MAX and not bool(xp.all(x <= _INT32_MAX))
+            if too_big or not bool(xp.all(x >= 0)):
+                raise ValueError(f"state.{name} counts must lie in 0..{_INT32_MAX}, got {x!r}")
             fields[name] = xp.astype(xp.broadcast_to(x, tuple(batch)), xp.int32)
         return cls(step=_saved_integer(d["step"], "step"), **fields)
 
@@ -413,6 +417,7 @@ _FACTOR_FIELDS = ("P", "Q", "P_inv_sqrt", "Q_inv_sqrt")
 _ARRAY_FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
 _FORMAT_KEY = "fismo_state_format"
 _FORMAT = 2
+_INT32_MAX = 2**31 - 1
 
 
 def _saved_integer(value: Any, key: str) -> int:

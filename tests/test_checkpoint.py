@@ -138,6 +138,11 @@ def _saved(shape=SHAPE, dtype=np.float64) -> dict:
          r"state\.skipped must be an integer array of shape \(2,\)"),
         (lambda d: {**d, "root_failures": np.zeros(2)}, np.zeros(SHAPE), ValueError,
          r"state\.root_failures must be an integer array"),
+        # Loaded before 2026-11-28: a negative count, or one int32 wraps round (2**31 became -2**31).
+        (lambda d: {**d, "skipped": np.asarray([0, -1], np.int32)}, np.zeros(SHAPE), ValueError,
+         r"state\.skipped counts must lie in 0\.\.2147483647"),
+        (lambda d: {**d, "root_failures": np.asarray([2**31, 0], np.int64)}, np.zeros(SHAPE), ValueError,
+         r"state\.root_failures counts must lie in 0\.\.2147483647"),
         (lambda d: {**d, "step": 2.5}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0, got 2\.5"),
         (lambda d: {**d, "step": -1}, np.zeros(SHAPE), ValueError, r"step must be an integer >= 0"),
         (lambda d: {**d, "fismo_state_format": 99}, np.zeros(SHAPE), ValueError, r"unknown FISMO state format 99"),
@@ -158,7 +163,7 @@ def _saved(shape=SHAPE, dtype=np.float64) -> dict:
         (lambda d: d, np.zeros(SHAPE, np.int64), TypeError, r"like must have a real floating dtype"),
     ],
     ids=["other-n", "unbatched", "dtype", "missing-M", "missing-step", "extra-key", "counter-shape",
-         "counter-dtype", "fractional-step", "negative-step", "format", "inf-step", "nan-step", "none-step",
+         "counter-dtype", "negative-counter", "int32-overflowing-counter", "fractional-step", "negative-step", "format", "inf-step", "nan-step", "none-step",
          "bool-step", "numpy-bool-step", "string-step", "fractional-format", "none-format", "fractional-block-size",
          "not-a-mapping", "like-list", "like-int"],
 )
