@@ -77,7 +77,8 @@ def complete_loaded_state(state: dict, param_groups: list) -> None:
 def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype, name: str = "W") -> dict:
     """Fill an empty ``state`` from ``core.init`` for a matrix of ``G``'s shape and parameter dtype ``dtype``.
 
-    Also adds the counters to a state from before they existed. Returns ``state``. ``name`` names the
+    Also adds the counters to a state from before they existed, and converts an existing state to the
+    state dtype of ``dtype`` when the parameter's dtype changed since it was made. Returns ``state``. ``name`` names the
     parameter in the core's warning about factors far larger than the matrix (given once, at creation).
     """
     if not state:
@@ -93,6 +94,12 @@ def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: tor
             parts = (left, right)[_SIDE[field]].parts(value)
             for key, part in zip(_fismo.factor_keys(field, len(parts)), parts):
                 state[key] = part
+    elif state.get("M") is not None and state["M"].dtype != state_dtype(dtype):
+        # The parameter changed dtype since (model.double()): the statistics follow it, as load_state_dict
+        # converts a checkpoint's, so that the live run and one resumed from its checkpoint stay equal.
+        for key, value in state.items():
+            if key != "step" and key not in COUNTER_KEYS and isinstance(value, torch.Tensor):
+                state[key] = value.to(state_dtype(dtype))
     for key in COUNTER_KEYS:  # also for states from before the counters existed
         if key not in state:
             state[key] = torch.zeros((), dtype=torch.int32, device=state["M"].device)

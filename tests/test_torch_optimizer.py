@@ -663,6 +663,32 @@ def test_low_precision_parameters_keep_their_dtype_and_float32_statistics(dtype)
     assert torch.backends.cuda.matmul.allow_tf32 == allow_tf32
 
 
+@pytest.mark.parametrize("block_size", [None, 4], ids=["full", "blocks"])
+def test_a_state_follows_its_parameter_to_float64_as_a_reload_does(block_size):
+    """``model.double()`` after the first step: the live statistics become float64 at the next step, as
+    ``load_state_dict`` converts them, so the live run equals the one resumed from a checkpoint of that moment
+    (the live state stayed float32 before 2026-11-28: 6e-6 apart after two steps)."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(6, 5, bias=False)
+    opt = FISMO(model.parameters(), lr=0.1, block_size=block_size)
+    grads = [torch.randn(5, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+    model.weight.grad = grads[0].float()
+    opt.step()
+    checkpoint = copy.deepcopy(opt.state_dict())
+    model.double()
+    resumed = torch.nn.Linear(6, 5, bias=False).double()
+    resumed.load_state_dict(model.state_dict())
+    opt_r = FISMO(resumed.parameters(), lr=0.1, block_size=block_size)
+    opt_r.load_state_dict(checkpoint)
+    for G in grads[1:]:
+        model.weight.grad, resumed.weight.grad = G.clone(), G.clone()
+        opt.step()
+        opt_r.step()
+    assert all(v.dtype == torch.float64 for k, v in opt.state[model.weight].items()
+               if k != "step" and v.is_floating_point())
+    assert torch.equal(model.weight, resumed.weight)
+
+
 # ----------------------------------------------------------------- protocol
 def _checkpointable_model():
     torch.manual_seed(0)
