@@ -354,6 +354,12 @@ def adamw_group_step(state: dict, group: dict, skip: Union[set, frozenset] = fro
         s = state[p]
         if not s:
             init_adamw_state(s, p, group)
+        elif s["exp_avg"].dtype != p.dtype:
+            # The parameter changed dtype since (model.double()): converted as load_state_dict converts a
+            # checkpoint's (torch.optim.AdamW raises in its step instead, after FISMO's groups have stepped).
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in s:
+                    s[key] = s[key].to(p.dtype)
         params.append(p)
         grads.append(p.grad)
         exp_avgs.append(s["exp_avg"])

@@ -665,28 +665,30 @@ def test_low_precision_parameters_keep_their_dtype_and_float32_statistics(dtype)
 
 @pytest.mark.parametrize("block_size", [None, 4], ids=["full", "blocks"])
 def test_a_state_follows_its_parameter_to_float64_as_a_reload_does(block_size):
-    """``model.double()`` after the first step: the live statistics become float64 at the next step, as
-    ``load_state_dict`` converts them, so the live run equals the one resumed from a checkpoint of that moment
-    (the live state stayed float32 before 2026-11-28: 6e-6 apart after two steps)."""
+    """``model.double()`` after the first step: the live states (FISMO's and an AdamW group's) become float64
+    at the next step, as ``load_state_dict`` converts them, so the live run equals the one resumed from a
+    checkpoint of that moment (before 2026-11-28 FISMO's statistics stayed float32, 6e-6 apart after two
+    steps, and the AdamW group raised)."""
     gen = torch.Generator().manual_seed(0)
-    model = torch.nn.Linear(6, 5, bias=False)
-    opt = FISMO(model.parameters(), lr=0.1, block_size=block_size)
-    grads = [torch.randn(5, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
-    model.weight.grad = grads[0].float()
+    model = torch.nn.Linear(6, 5)
+    opt = FISMO(param_groups(model, head=None), lr=0.1, block_size=block_size)
+    grads = [(torch.randn(5, 6, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64))
+             for _ in range(3)]
+    model.weight.grad, model.bias.grad = (g.float() for g in grads[0])
     opt.step()
     checkpoint = copy.deepcopy(opt.state_dict())
     model.double()
-    resumed = torch.nn.Linear(6, 5, bias=False).double()
+    resumed = torch.nn.Linear(6, 5).double()
     resumed.load_state_dict(model.state_dict())
-    opt_r = FISMO(resumed.parameters(), lr=0.1, block_size=block_size)
+    opt_r = FISMO(param_groups(resumed, head=None), lr=0.1, block_size=block_size)
     opt_r.load_state_dict(checkpoint)
-    for G in grads[1:]:
-        model.weight.grad, resumed.weight.grad = G.clone(), G.clone()
-        opt.step()
+    for G, g in grads[1:]:
+        model.weight.grad, model.bias.grad, resumed.weight.grad, resumed.bias.grad = G.clone(), g.clone(), G, g
+        opt.step()  # the AdamW group raised torch.optim.AdamW's dtype error here, after FISMO's group had stepped
         opt_r.step()
-    assert all(v.dtype == torch.float64 for k, v in opt.state[model.weight].items()
-               if k != "step" and v.is_floating_point())
-    assert torch.equal(model.weight, resumed.weight)
+    for p in model.parameters():
+        assert all(v.dtype == torch.float64 for k, v in opt.state[p].items() if k != "step" and v.is_floating_point())
+    assert torch.equal(model.weight, resumed.weight) and torch.equal(model.bias, resumed.bias)
 
 
 # ----------------------------------------------------------------- protocol
