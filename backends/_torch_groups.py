@@ -227,6 +227,7 @@ def validate_matrix_param(p: Any, name: str) -> None:
     """A tensor of a FISMO group: real floating, at least 2 dimensions, not empty."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name}: optimizer can only optimize Tensors, got {type(p).__name__}")
+    _refuse_uninitialised(p, name)
     if p.ndim < 2:
         raise ValueError(
             f"{name} has shape {tuple(p.shape)}: FISMO optimises matrices (2-D weights, or conv weights "
@@ -245,6 +246,15 @@ def validate_matrix_param(p: Any, name: str) -> None:
         raise ValueError(
             f"{name} has shape {tuple(p.shape)}, with no entries: FISMO steps non-empty matrices only "
             "(leave it out, or put it in an AdamW group)"
+        )
+
+
+def _refuse_uninitialised(p: torch.Tensor, name: str) -> None:
+    """A lazy module's parameter (``nn.LazyLinear`` before its first forward pass) has no shape yet."""
+    if torch.nn.parameter.is_lazy(p):
+        raise ValueError(
+            f"{name} is an uninitialised parameter of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...): its "
+            "shape decides how FISMO optimises it. Run one forward pass first, then build the optimizer"
         )
 
 
@@ -502,6 +512,8 @@ def param_groups(
 
     A ``UserWarning`` says so when the head rule leaves no matrix for FISMO
     (a model that is one linear layer, say): pass ``head=None`` then.
+    A lazy module's uninitialised weight (``nn.LazyLinear`` before its first
+    forward pass) raises a ``ValueError``: its shape decides its group.
     """
     embedding_weights = {
         id(w) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
@@ -518,6 +530,7 @@ def param_groups(
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
+        _refuse_uninitialised(p, f"param_groups: {name!r}")
         # A side of 1 outside a layer's weight: a learned token or table (ViT's cls_token (1, 1, d) and
         # pos_embed (1, T, d), MultiheadAttention's bias_k), one row to FISMO with a (T d) x (T d) factor
         # Q; or a column (weight norm's magnitude (out, 1), a rank-1 adapter). A linear or conv layer with

@@ -195,6 +195,18 @@ def test_complex_parameters_are_refused_in_fismo_groups():
         FISMO([torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.complex64))])
 
 
+def test_a_lazy_modules_uninitialised_weight_is_refused_with_what_to_do():
+    """Before its first forward pass ``nn.LazyLinear``'s weight has no shape: FISMO raised torch's raw
+    "Can't access the shape" error and ``param_groups`` sent the weight to AdamW silently (it looked 1-D)."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"uninitialised parameter of a lazy module.*Run one forward pass"):
+        FISMO(model.parameters())
+    with pytest.raises(ValueError, match=r"param_groups: '0.weight' is an uninitialised parameter"):
+        param_groups(model)
+    model(torch.zeros(1, 3))
+    assert [list(g["params"]) for g in param_groups(model, head=None)][0][0] is model[0].weight
+
+
 def test_sparse_gradient_raises_before_anything_changes():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     lin = torch.nn.Linear(4, 4, bias=False)
