@@ -47,6 +47,8 @@ def _check_state(state: Any) -> None:
 def state_to_device(state: FISMOState, device: Any = None, *, stream: Optional[Any] = None) -> FISMOState:
     """Copy every array of ``state`` to a GPU, as CuPy arrays.
 
+    Dtypes are kept: a float32 state of bf16/fp16 parameters stays float32.
+
     Parameters
     ----------
     state:
@@ -59,8 +61,6 @@ def state_to_device(state: FISMOState, device: Any = None, *, stream: Optional[A
         current stream). A copy from pageable host memory returns once the
         data is staged; arrays already on ``device`` are returned as they are
         (the core never mutates them, so sharing is safe).
-
-    Dtypes are kept: a float32 state of bf16/fp16 parameters stays float32.
     """
     _check_state(state)
     cupy = _cupy()

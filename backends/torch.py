@@ -137,7 +137,7 @@ class FISMO(Optimizer):
         ``(out, prod(rest))``. 1-D tensors (biases, norm scales) raise a
         ``ValueError``: put them in an ``"adamw"`` group, or build the
         groups of a whole model with [`param_groups`][fismo_core.backends.torch.param_groups].
-    lr, beta, gamma, mu, polar, inv_root, weight_decay, nesterov, statistics:
+    lr, beta, gamma, mu, polar, inv_root, weight_decay, nesterov, statistics, block_size:
         As in [`fismo_core.FISMO`][fismo_core.FISMO], with the same defaults. ``lr`` may be
         given positionally, ``FISMO(params, 0.02)``, as in ``torch.optim``;
         the others are keyword-only. ``lr`` may be
@@ -153,7 +153,8 @@ class FISMO(Optimizer):
     nonfinite:
         What a NaN or infinity in a gradient (or a parameter) does, in every
         group, FISMO's and AdamW's: all are checked before anything changes,
-        in one host read per step. ``"raise"`` (default): a ``ValueError``
+        in one host read per step (``"skip"``: one more, for which parameters
+        skip). ``"raise"`` (default): a ``ValueError``
         naming the parameter; no parameter, state or step count changes.
         ``"skip"``: that parameter is left alone for this step (a FISMO
         parameter keeps its ``P``, ``Q``, ``M``, roots and ``step``, and its
@@ -167,8 +168,9 @@ class FISMO(Optimizer):
         across which the matrix work is partitioned. Each matrix has one
         owner rank, which keeps its state and computes its direction; the
         updated parameter is then broadcast from the owner. Leave ``None``
-        without DDP. FSDP2 parameters (``DTensor`` sharded on dim 0 of a 1-D
-        mesh) are recognised by themselves and need no process group.
+        without DDP. ``DTensor`` parameters (FSDP2 on a 1-D mesh, HSDP on a
+        2-D one, tensor parallelism; see docs/torch.md) are recognised by
+        themselves and need no process group.
     """
 
     def __init__(

@@ -160,7 +160,8 @@ MUON_KEYWORDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     ),
     "consistent_rms": (
         "optax.contrib.muon",
-        lambda v: "no equivalent: scale the learning rate (fismo_core.backends.torch.FISMO's "
+        lambda v: "fismo_core.backends.optax.fismo_training takes consistent_rms (optax's scaling, "
+        "c * sqrt(max(m, n))); with fismo, scale the learning rate (fismo_core.backends.torch.FISMO's "
         "adjust_lr_fn='match_rms_adamw' is lr * 0.2 * sqrt(max(m, n)))",
     ),
 }
