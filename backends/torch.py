@@ -24,6 +24,7 @@ and ``_torch_precision`` (where bfloat16 is native). See ``docs/torch.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -83,6 +84,8 @@ __all__ = [
 ]
 
 _CORE_DEFAULTS = CORE_DEFAULTS
+#: Core instances kept per optimizer (a schedule of beta, gamma or mu makes one per value; the oldest go).
+_MAX_CORES = 64
 #: Keywords of torch's other optimizers that belong to the AdamW groups here.
 _ADAMW_KEYWORD = (
     "a key of the AdamW groups (biases, norms, embeddings, the head): "
@@ -395,6 +398,15 @@ class FISMO(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # A step called inside torch.autocast (a training step wrapped whole) would run FISMO's products in
+        # bfloat16/float16 (test_a_step_inside_autocast_equals_one_outside).
+        with (torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext()), \
+                (torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()):
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        """`step` without its closure, outside autocast."""
         if torch.compiler.is_compiling():
             self._init_group()
             self._static_shapes()
@@ -428,7 +440,6 @@ class FISMO(Optimizer):
                 adamw_group_step(self.state, group, checks.skip)
             else:
                 self._fismo_apply(plans[id(group)])
-        return loss
 
     def _forget(self, created: list) -> None:
         """Remove the states a step created before it raised (nothing else was written)."""
@@ -504,8 +515,33 @@ class FISMO(Optimizer):
             # new core to the next frame at every step, and its guards would recompile it.
             return make_core(key)
         if key not in cores:
-            cores[key] = make_core(key)
+            # A value set in the group after construction (a schedule of beta, a typo) is checked here,
+            # where the group's core is made; the states must fit its block_size.
+            where = next(f"param group {i}" for i, g in enumerate(self.param_groups) if g is group)
+            try:
+                core = make_core(key)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{where}: {exc}") from exc
+            self._check_states_fit(group, core)
+            if len(cores) >= _MAX_CORES:  # a schedule of beta, gamma or mu makes one core per value
+                cores.pop(next(iter(cores)))
+            cores[key] = core
         return cores[key]
+
+    def _check_states_fit(self, group: dict, core: _CoreFISMO) -> None:
+        """The group's existing states have the layout of ``core.block_size`` (a state cannot change its blocks)."""
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state or "M" not in state:  # no state yet, or a rank that does not own the matrix
+                continue
+            layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), core.block_size)
+            factors = set(state) - {"step", *COUNTER_KEYS}
+            if factors != set(layout) or any(tuple(state[k].shape) != tuple(s) for k, s in layout.items()):
+                raise ValueError(
+                    f"block_size={core.block_size!r} splits {self._label(p)} into other blocks than its state "
+                    "has: a state cannot change its blocks. Set the group's block_size back, or start a new "
+                    "optimizer"
+                )
 
     def _placements(self) -> dict[torch.Tensor, _dist.Placement]:
         """Where each FISMO matrix lives and which rank owns it (`_torch_distributed.placements`)."""

@@ -195,6 +195,50 @@ def test_complex_parameters_are_refused_in_fismo_groups():
         FISMO([torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.complex64))])
 
 
+def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_anything_changes():
+    """Values a user (or a scheduler) writes into ``param_groups`` after construction: a misspelt
+    ``nonfinite`` passed as "propagate" (a NaN gradient then reached the weights), another ``block_size``
+    raised a bare ``KeyError('P_rest')``, and errors did not name the group (found 2026-11-28)."""
+    W = torch.nn.Parameter(torch.randn(5, 6))
+    b = torch.nn.Parameter(torch.randn(5))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
+    W.grad, b.grad = torch.randn(5, 6), torch.randn(5)
+    opt.step()
+    before = (W.detach().clone(), b.detach().clone(), copy.deepcopy(opt.state_dict()))
+
+    def unchanged():
+        assert torch.equal(W, before[0]) and torch.equal(b, before[1])
+        assert torch.equal(opt.state[W]["P"], before[2]["state"][0]["P"]) and opt.state[W]["step"].item() == 1
+
+    for gi, key, value, error, match in [
+        (0, "nonfinite", "rasie", ValueError, r"param group 0: nonfinite must be 'raise', 'skip' or 'propagate'"),
+        (1, "nonfinite", "skipp", ValueError, r"param group 1: nonfinite must be"),
+        (0, "gamma", 2.0, ValueError, r"param group 0: .*gamma"),
+        (0, "block_size", 2, ValueError, r"block_size=2 splits parameter 0 of param group 0 \(shape \(5, 6\)\) into "
+                                         r"other blocks than its state has"),
+    ]:
+        saved = opt.param_groups[gi][key]
+        opt.param_groups[gi][key] = value
+        with pytest.raises(error, match=match):
+            opt.step()
+        unchanged()
+        opt.param_groups[gi][key] = saved
+    opt.param_groups[0]["block_size"] = 6  # splits nothing differently: the state fits
+    opt.step()
+    assert opt.state[W]["step"].item() == 2
+
+
+def test_a_schedule_of_beta_keeps_a_bounded_number_of_cores():
+    """One core per hyperparameter set was kept for ever: a beta warmup made one per step (found 2026-11-28)."""
+    W = torch.nn.Parameter(torch.randn(4, 3))
+    opt = FISMO([W], lr=0.02)
+    for t in range(100):
+        opt.param_groups[0]["beta"] = 0.85 + 0.1 * t / 100
+        W.grad = torch.randn(4, 3)
+        opt.step()
+    assert len(opt._cores) == 64
+
+
 def test_a_lazy_modules_uninitialised_weight_is_refused_with_what_to_do():
     """Before its first forward pass ``nn.LazyLinear``'s weight has no shape: FISMO raised torch's raw
     "Can't access the shape" error and ``param_groups`` sent the weight to AdamW silently (it looked 1-D)."""
@@ -673,6 +717,27 @@ def test_low_precision_parameters_keep_their_dtype_and_float32_statistics(dtype)
     # The optimizer never touches the matmul precision (TF32 would be "high"/allow_tf32=True).
     assert torch.get_float32_matmul_precision() == precision
     assert torch.backends.cuda.matmul.allow_tf32 == allow_tf32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_step_inside_autocast_equals_one_outside(dtype):
+    """A training step wrapped whole in ``torch.autocast``, ``opt.step()`` included: FISMO's products ran in
+    ``dtype`` (updates 3e-2 off in bfloat16, found 2026-11-28); autocast is off inside the step now."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(32, 16)
+    grads = [(torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)) for _ in range(3)]
+    results = []
+    for autocast in (False, True):
+        m = copy.deepcopy(model)
+        opt = FISMO(param_groups(m, head=None), lr=0.02)
+        for G, g in grads:
+            m.weight.grad, m.bias.grad = G.clone(), g.clone()
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                opt.step()
+            assert torch.is_autocast_enabled("cpu") is False
+        results.append((m.weight.detach(), m.bias.detach(), opt.state[m.weight]["P"]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("block_size", [None, 4], ids=["full", "blocks"])
