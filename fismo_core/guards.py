@@ -312,8 +312,9 @@ def statistics_scale(xp: Any, G: Array, statistics: str) -> tuple[Array, Any, An
     m, n = G.shape[-2], G.shape[-1]
     amax = xp.max(xp.abs(G), axis=(-2, -1), keepdims=True)
     if statistics == "scale_invariant":  # G / rms(G), per matrix; a zero G stays zero
-        # rms on G / 2^k so the sum of squares cannot overflow; the power of two cancels exactly.
-        pow2 = linalg._pow2_of(amax)
+        # rms on G / 2^k, max|G / 2^k| in [1, 2), so the sum of squares can neither overflow nor
+        # underflow (it did for max|G| below about 1e-19 in float32); the power of two cancels exactly.
+        pow2 = linalg._pow2_of(amax, 0.0)
         rms = xp.sqrt(xp.sum((G / pow2) ** 2, axis=(-2, -1), keepdims=True) / (m * n))
         stat_scale = pow2 * xp.where(rms > 0, rms, xp.ones_like(rms))
         G_stat = G / stat_scale

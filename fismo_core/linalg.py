@@ -165,9 +165,12 @@ def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
     (and multiplying back) is exact in binary floating point, barring subnormals, so a computation on
     ``X / s`` rescaled afterwards rounds exactly as the computation on ``X`` wherever the latter does
     not overflow or underflow; ``X / s`` has entries below 2, so its squares cannot overflow.
-    Elementwise operations only: no host synchronisation.
+    Elementwise operations only: no host synchronisation. A ``floor`` below the dtype's smallest normal
+    number is raised to it: a smaller one rounds to zero (or, where subnormals are flushed, as XLA
+    does, becomes zero), and a zero matrix then gave ``s = 0`` and ``0 / 0``.
     """
     xp = array_namespace(amax)
+    floor = max(floor, float(xp.finfo(amax.dtype).smallest_normal))
     # full_like, not the Python scalar: array-api-compat's torch maximum promotes a scalar through
     # torch.result_type, which torch.compile cannot trace (a graph break); the values are the same.
     return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.full_like(amax, floor))))
@@ -492,11 +495,16 @@ def polar(
         Lower bound of the normaliser, so that ``X = 0`` maps to ``0``: a
         finite number > 0 (validated, also for ``"svd"``, which ignores it).
         ``X`` is normalised at any scale down to ``eps``: ``X`` and
-        ``eps`` scaled by a power of two give the same polar factor.
+        ``eps`` scaled by a power of two give the same polar factor. An
+        ``eps`` below the smallest normal number of ``X``'s dtype is raised to
+        it (a smaller one rounds to zero there; float16's is 6.1e-5).
     rtol:
         ``"svd"`` only (ignored by ``"newton_schulz"``, but validated): the
         relative cut. Singular values ``s <= rtol * sigma_max`` of each matrix
-        are dropped. ``None`` (default): ``max(m, n) * eps`` of ``X``'s dtype
+        are dropped. ``None`` (default): ``max(m, n) * eps`` of the dtype
+        decomposed, ``X``'s (float32 for half precision, as the result is then
+        the float32 one rounded; bfloat16's own eps cut whole matrices of
+        side 128 to zero)
         ([`default_polar_rtol`][fismo_core.linalg.default_polar_rtol], the
         tolerance of ``numpy.linalg.matrix_rank``), which drops the
         rounding-level singular values of a matrix that is rank-deficient up
@@ -603,10 +611,13 @@ def polar(
     if checked:
         _checks_can_run(xp, X, "X", "polar")
     if method == "svd":
-        U, S, Vh = xp.linalg.svd(_exact_dtype(xp, X), full_matrices=False)
+        X_exact = _exact_dtype(xp, X)
+        U, S, Vh = xp.linalg.svd(X_exact, full_matrices=False)
         if S.shape[-1] == 0:  # m or n is 0: nothing to cut
             return xp.astype(U @ Vh, X.dtype, copy=False)
-        cut = (default_polar_rtol(X) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
+        # The default cut is that of the dtype decomposed (float32 for half precision, whose own eps
+        # cut a bfloat16 matrix of side 128 to zero).
+        cut = (default_polar_rtol(X_exact) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
         keep = xp.astype(S > cut, U.dtype)  # 1 for s > rtol * s_max, else 0: U * 1 is U bit for bit
         return xp.astype((U * keep[..., None, :]) @ Vh, X.dtype, copy=False)
     if X.shape[-1] == 0 or X.shape[-2] == 0:  # nothing to orthogonalise (and no max to take)
@@ -617,9 +628,13 @@ def polar(
     # neither overflow nor, down to eps, underflow (a tiny X with a smaller eps, as guarantees.md
     # advises), and the result is bit for bit that of Y / max(safety ||Y||_F, eps) wherever that
     # norm is computed without overflow or underflow (scaling by a power of two is exact).
-    s = _pow2_of(xp.max(xp.abs(Y), axis=(-2, -1), keepdims=True), min(float(eps), 1.0))
+    # An eps below the dtype's smallest normal number rounds to zero there (or is flushed, as XLA does):
+    # a zero X then gave 0 / 0. It is raised to that number, which changes nothing else.
+    eps = max(float(eps), float(xp.finfo(X.dtype).smallest_normal))
+    s = _pow2_of(xp.max(xp.abs(Y), axis=(-2, -1), keepdims=True), min(eps, 1.0))
     Y = Y / s
-    norm = xp.linalg.matrix_norm(Y, keepdims=True)
+    # The sum of squares in at least float32: float16's overflowed past about 16k entries of Y / s.
+    norm = xp.astype(xp.linalg.matrix_norm(_exact_dtype(xp, Y), keepdims=True), Y.dtype, copy=False)
     # maximum, not clip: array-api-compat's CuPy clip indexes with a mask, a host sync.
     Y = Y / xp.maximum(safety * norm, eps / s)
     # The normalisation above runs in X's dtype (a bfloat16 norm would lose the scale);

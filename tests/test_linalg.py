@@ -423,6 +423,9 @@ def test_polar_of_zero_is_zero(target: Target, coefficients: str) -> None:
     assert np.linalg.norm(got[1]) > 1  # the neighbour is still orthogonalised (||UV^T||_F = 2)
     tall = to_numpy(polar(target.asarray(np.zeros((6, 3))), coefficients=coefficients))
     assert tall.shape == (6, 3) and np.all(tall == 0)
+    # An eps below the dtype's smallest normal number (float32: it rounds to 0) gave 0 / 0 = NaN.
+    tiny_eps = to_numpy(polar(target.asarray(np.zeros((4, 6))), coefficients=coefficients, eps=1e-320))
+    assert np.all(tiny_eps == 0)
 
 
 # Newton–Schulz vs the NumPy float64 loop on the same (rounded) input, max |difference| (entries
@@ -538,9 +541,12 @@ def test_polar_dtype_errors(target: Target) -> None:
 def test_exact_methods_take_half_precision_through_float32(dtype: str) -> None:
     """No eigensolver or SVD takes float16 or bfloat16 (LAPACK, cuSOLVER: the backends raised their own
     errors); the exact methods compute the half-precision input in float32 and round the result to its
-    dtype, which is the float32 result of the same (exactly representable) input rounded, bit for bit."""
+    dtype, which is the float32 result of the same (exactly representable) input rounded, bit for bit. The
+    SVD's default cut is float32's too: bfloat16's (``max(m, n) eps`` = 1 at side 128) gave the zero matrix,
+    and float16's dropped 20 of 128 directions (found 2026-11-28)."""
     rng = np.random.default_rng(0)
     X = rng.standard_normal((3, 5, 4))
+    X_large = rng.standard_normal((128, 128))
     Q = np.linalg.qr(rng.standard_normal((3, 4, 4)))[0]
     A = Q @ (np.linspace(1, 4, 4)[:, None] * np.swapaxes(Q, -1, -2))
     A = (A + np.swapaxes(A, -1, -2)) / 2
@@ -550,13 +556,28 @@ def test_exact_methods_take_half_precision_through_float32(dtype: str) -> None:
         half = getattr(target.xp, dtype, None)
         if half is None:  # NumPy and array-api-strict have no bfloat16; array-api-strict no float16
             continue
-        x_half, a_half = (target.xp.astype(target.asarray(v), half) for v in (X, A))
+        x_half, a_half, x_large = (target.xp.astype(target.asarray(v), half) for v in (X, A, X_large))
         for got, exact in (
             (polar(x_half, method="svd"), polar(target.xp.astype(x_half, target.xp.float32), method="svd")),
+            (polar(x_large, method="svd"), polar(target.xp.astype(x_large, target.xp.float32), method="svd")),
             (inverse_sqrt(a_half), inverse_sqrt(target.xp.astype(a_half, target.xp.float32))),
         ):
             assert got.dtype == half, target.id
             assert np.array_equal(to_numpy(got), to_numpy(target.xp.astype(exact, half))), target.id
+
+
+def test_newton_schulz_polar_of_a_large_float16_matrix_is_not_zero() -> None:
+    """``X / s`` has entries in [1, 2): their sum of squares passed float16's 65504 at about 16k entries,
+    the norm became inf and the result 0 (NumPy, JAX; torch sums in float32). It is taken in float32 now."""
+    X = np.sign(np.random.default_rng(0).standard_normal((256, 256)))
+    for target in targets(dtypes=["float32"]):
+        if not target.available or getattr(target.xp, "float16", None) is None:
+            continue
+        half = target.xp.float16
+        got = to_numpy(polar(target.xp.astype(target.asarray(X), half)))
+        want = to_numpy(polar(target.asarray(X)))
+        # The iteration itself runs in float16 (unit roundoff 4.9e-4): measured 3e-3 to 5e-3 apart.
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, target.id
 
 
 # --- inverse_sqrt ---------------------------------------------------------------------------------
