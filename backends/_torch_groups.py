@@ -216,6 +216,17 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
     if not 0.0 <= group["eps"]:
         raise ValueError(f"{where}: invalid AdamW eps {group['eps']!r}")
     betas = group["betas"]
+    tensor_betas = [isinstance(b, torch.Tensor) for b in betas]
+    if any(tensor_betas):  # torch.optim.AdamW's checks; its step raised them after FISMO's groups had stepped
+        if not all(tensor_betas) or len(betas) != 2:
+            raise ValueError(f"{where}: AdamW betas must be two numbers or two one-element tensors, got {betas!r}")
+        if group["foreach"]:
+            raise ValueError(
+                f"{where}: tensor AdamW betas need foreach=False or None (AdamW groups step as "
+                "torch.optim.AdamW with capturable=False, which refuses tensor betas with foreach=True)"
+            )
+        if any(b.numel() != 1 for b in betas):
+            raise ValueError(f"{where}: tensor AdamW betas must have one element each, got {betas!r}")
     if len(betas) != 2 or not all(0.0 <= scalar(b) < 1.0 for b in betas):
         raise ValueError(f"{where}: AdamW betas must be two numbers in [0, 1), got {betas!r}")
     if not 0.0 <= group["weight_decay"]:
@@ -491,7 +502,8 @@ def param_groups(
     factor; weight norm's ``(out, 1)`` magnitude), tensors of more than two
     dimensions that are no conv weight (a mixture of experts' stacked
     ``(experts, out, in)``, with a ``UserWarning``),
-    ``nn.Embedding`` weights, the output head and every
+    ``nn.Embedding`` weights, complex tensors (FISMO is for real matrices),
+    the output head and every
     parameter for which ``adamw(name, p)`` is true go to an ``"adamw"`` group
     with ``adamw_options``; the other matrices (linear and conv weights) go to
     a FISMO group. Empty groups are left out.
@@ -540,7 +552,7 @@ def param_groups(
         # (experts, out, in)), which FISMO would optimise as one (experts, out * in) matrix.
         stack = p.ndim > 2 and not vector and id(p) not in conv_weights
         stacks += [f"{name} {tuple(p.shape)}"] if stack else []
-        other_rule = (p.ndim < 2 or vector or stack or id(p) in embedding_weights
+        other_rule = (p.ndim < 2 or vector or stack or id(p) in embedding_weights or torch.is_complex(p)
                       or (adamw is not None and adamw(name, p)))
         to_adamw = other_rule or id(p) in head_ids
         head_matrices += not other_rule and id(p) in head_ids  # on AdamW only because it is the head

@@ -375,7 +375,14 @@ class FISMO(Optimizer):
         `load_state_dict` hands each matrix's state to its owner in the new
         world. Collective: every rank calls it, as it calls ``step``.
         """
-        saved = super().state_dict()
+        # The post-hooks run last, on the state_dict as returned (as torch.optim runs them): the export
+        # and the sort below came after them, and the sort raised on keys a hook added.
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        try:
+            saved = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         placements = self._placements()
         index = 0
         for group in self.param_groups:
@@ -389,6 +396,10 @@ class FISMO(Optimizer):
         # ranks (owners create a matrix's state when computing it, the others when applying), and
         # get_state_dict(full_state_dict=True) gathers each DTensor in this order, a collective per tensor.
         saved["state"] = dict(sorted(saved["state"].items()))
+        for post_hook in post_hooks.values():
+            hook_result = post_hook(self, saved)
+            if hook_result is not None:
+                saved = hook_result
         return saved
 
     @torch.no_grad()

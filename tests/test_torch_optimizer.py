@@ -168,6 +168,28 @@ def test_a_tensor_adamw_lr_with_foreach_is_refused_when_the_group_is_added():
     assert not torch.equal(b, before)
 
 
+def test_tensor_adamw_betas_with_foreach_are_refused_when_the_group_is_added():
+    """The same for tensor ``betas`` (found 2026-11-28: accepted, then the step raised inside
+    ``torch.optim.adamw`` after the FISMO group had stepped); with ``foreach=None`` they step as
+    ``torch.optim.AdamW``'s do."""
+    W, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    betas = (torch.tensor(0.9), torch.tensor(0.999))
+    adamw = {"params": [b], "algorithm": "adamw", "betas": betas}
+    with pytest.raises(ValueError, match="param group 1: tensor AdamW betas need foreach=False or None"):
+        FISMO([{"params": [W]}, {**adamw, "foreach": True}], lr=0.02)
+    with pytest.raises(ValueError, match="two numbers or two one-element tensors"):
+        FISMO([{"params": [W]}, {**adamw, "betas": (0.9, torch.tensor(0.999))}], lr=0.02)
+    with pytest.raises(ValueError, match="must have one element each"):
+        FISMO([{"params": [W]}, {**adamw, "betas": (torch.tensor([0.9, 0.9]), torch.tensor(0.999))}], lr=0.02)
+    opt = FISMO([{"params": [W]}, adamw], lr=0.02)
+    reference = torch.optim.AdamW([torch.nn.Parameter(b.detach().clone())], betas=betas)
+    W.grad, b.grad = torch.randn(4, 3), torch.randn(3)
+    reference.param_groups[0]["params"][0].grad = b.grad.clone()
+    opt.step()
+    reference.step()
+    assert torch.equal(b, reference.param_groups[0]["params"][0])
+
+
 @pytest.mark.parametrize("shape", [(0, 3), (3, 0), (2, 0, 3), (0, 0)])
 def test_empty_parameters_are_refused_in_fismo_groups(shape):
     """A matrix with no entries has no statistics: refused when the group is added, naming it (its step
@@ -193,6 +215,15 @@ def test_a_first_step_that_raises_in_the_computation_leaves_no_state():
 def test_complex_parameters_are_refused_in_fismo_groups():
     with pytest.raises(TypeError, match="complex"):
         FISMO([torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.complex64))])
+
+
+def test_param_groups_sends_complex_weights_to_adamw():
+    """A complex ``nn.Linear`` went to the FISMO group, whose construction then raised (found 2026-11-28)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, dtype=torch.complex64), torch.nn.Linear(4, 2))
+    fismo, adamw = param_groups(model)
+    assert fismo["params"] == [model[0].weight]
+    assert any(p is model[1].weight for p in adamw["params"])
+    FISMO([fismo, adamw])
 
 
 def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_anything_changes():
@@ -1260,3 +1291,22 @@ def test_load_state_dict_hooks_see_fismos_states_as_torch_optim_runs_them() -> N
     other.register_load_state_dict_post_hook(zero_after)
     other.load_state_dict(saved)
     assert torch.count_nonzero(other.state[W]["M"]) == 0
+
+
+def test_state_dict_post_hooks_run_last_as_torch_optim_runs_them() -> None:
+    """FISMO sorted and exported the state after the post-hooks had run: a hook's added key raised
+    ``TypeError`` in the sort and a hook's order was undone (found 2026-11-28)."""
+    W = torch.nn.Parameter(torch.randn(5, 4))
+    opt = FISMO([W], lr=0.02)
+    W.grad = torch.randn(5, 4)
+    opt.step()
+    seen = []
+
+    def add_note(optimizer, state_dict):
+        seen.append(sorted(state_dict["state"][0]))  # the whole state, as state_dict returns it
+        state_dict["state"] = {"note": "added by a hook", **state_dict["state"]}
+        return state_dict
+
+    opt.register_state_dict_post_hook(add_note)
+    saved = opt.state_dict()
+    assert list(saved["state"]) == ["note", 0] and seen == [sorted(opt.state[W])]
