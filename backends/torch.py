@@ -527,17 +527,25 @@ class FISMO(Optimizer):
             return make_core(key)
         if key not in cores:
             # A value set in the group after construction (a schedule of beta, a typo) is checked here,
-            # where the group's core is made; the states must fit its block_size.
-            where = next(f"param group {i}" for i, g in enumerate(self.param_groups) if g is group)
+            # where its core is made.
             try:
                 core = make_core(key)
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{where}: {exc}") from exc
-            self._check_states_fit(group, core)
+                raise type(exc)(f"param group {self._group_index(group)}: {exc}") from exc
             if len(cores) >= _MAX_CORES:  # a schedule of beta, gamma or mu makes one core per value
                 cores.pop(next(iter(cores)))
             cores[key] = core
+        if not torch.compiler.is_compiling():
+            checked = self.__dict__.setdefault("_group_keys", {})  # the key each group's states were checked for
+            index = self._group_index(group)
+            if checked.get(index) != key:
+                self._check_states_fit(group, cores[key])  # the states must fit a block_size set since
+                checked[index] = key
         return cores[key]
+
+    def _group_index(self, group: dict) -> int:
+        """The position of ``group`` in ``param_groups``."""
+        return next(i for i, g in enumerate(self.param_groups) if g is group)
 
     def _check_states_fit(self, group: dict, core: _CoreFISMO) -> None:
         """The group's existing states have the layout of ``core.block_size`` (a state cannot change its blocks)."""

@@ -257,6 +257,14 @@ def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_an
     opt.param_groups[0]["block_size"] = 6  # splits nothing differently: the state fits
     opt.step()
     assert opt.state[W]["step"].item() == 2
+    # Another group already has a core for block_size=2: the state is still checked against it.
+    V = torch.nn.Parameter(torch.randn(4, 4))
+    opt.add_param_group({"params": [V], "block_size": 2})
+    V.grad, W.grad, b.grad = torch.randn(4, 4), torch.randn(5, 6), torch.randn(5)
+    opt.step()
+    opt.param_groups[0]["block_size"] = 2
+    with pytest.raises(ValueError, match=r"block_size=2 splits parameter 0 of param group 0"):
+        opt.step()
 
 
 def test_a_schedule_of_beta_keeps_a_bounded_number_of_cores():
