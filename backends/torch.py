@@ -536,11 +536,13 @@ class FISMO(Optimizer):
                 cores.pop(next(iter(cores)))
             cores[key] = core
         if not torch.compiler.is_compiling():
-            checked = self.__dict__.setdefault("_group_keys", {})  # the key each group's states were checked for
-            index = self._group_index(group)
-            if checked.get(index) != key:
-                self._check_states_fit(group, cores[key])  # the states must fit a block_size set since
-                checked[index] = key
+            # The states must fit a block_size set since: checked once per group and block_size (not at
+            # every step of a schedule of beta, which changes the key only).
+            checked = self.__dict__.setdefault("_checked_block_sizes", {})
+            index, block_size = self._group_index(group), cores[key].block_size
+            if index not in checked or checked[index] != block_size:
+                self._check_states_fit(group, cores[key])
+                checked[index] = block_size
         return cores[key]
 
     def _group_index(self, group: dict) -> int:

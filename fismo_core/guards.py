@@ -314,7 +314,7 @@ def statistics_scale(xp: Any, G: Array, statistics: str) -> tuple[Array, Any, An
     if statistics == "scale_invariant":  # G / rms(G), per matrix; a zero G stays zero
         # rms on G / 2^k, max|G / 2^k| in [1, 2), so the sum of squares can neither overflow nor
         # underflow (it did for max|G| below about 1e-19 in float32); the power of two cancels exactly.
-        pow2 = linalg._pow2_of(amax, 0.0)
+        pow2 = linalg._pow2_of(amax, float(xp.finfo(G.dtype).smallest_normal))
         rms = xp.sqrt(xp.sum((G / pow2) ** 2, axis=(-2, -1), keepdims=True) / (m * n))
         stat_scale = pow2 * xp.where(rms > 0, rms, xp.ones_like(rms))
         G_stat = G / stat_scale

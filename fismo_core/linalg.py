@@ -165,12 +165,11 @@ def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
     (and multiplying back) is exact in binary floating point, barring subnormals, so a computation on
     ``X / s`` rescaled afterwards rounds exactly as the computation on ``X`` wherever the latter does
     not overflow or underflow; ``X / s`` has entries below 2, so its squares cannot overflow.
-    Elementwise operations only: no host synchronisation. A ``floor`` below the dtype's smallest normal
-    number is raised to it: a smaller one rounds to zero (or, where subnormals are flushed, as XLA
-    does, becomes zero), and a zero matrix then gave ``s = 0`` and ``0 / 0``.
+    Elementwise operations only: no host synchronisation. ``floor`` must be at least the dtype's
+    smallest normal number: a smaller one rounds to zero (or is flushed, as XLA does), and a zero
+    matrix then gives ``s = 0`` and ``0 / 0``.
     """
     xp = array_namespace(amax)
-    floor = max(floor, float(xp.finfo(amax.dtype).smallest_normal))
     # full_like, not the Python scalar: array-api-compat's torch maximum promotes a scalar through
     # torch.result_type, which torch.compile cannot trace (a graph break); the values are the same.
     return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.full_like(amax, floor))))
