@@ -429,30 +429,49 @@ def is_linalg_error(exc: BaseException) -> bool:
     return any(cls.__name__.endswith("LinAlgError") for cls in type(exc).__mro__)
 
 
-def _checked_root(xp: Any, root: Any, A: Array, tolerance: float) -> tuple[Array, Array]:
+def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, eps: float) -> tuple[Array, Array]:
     """``Z = A^{-1/2}`` of a stack of square matrices by ``root``, and each one's ``||Z A Z - I||_F``.
 
-    A ``LinAlgError`` of the batched call is retried matrix by matrix, so only
-    the matrices that fail are marked (their ``Z`` and residual are NaN).
+    The residual cannot tell a small eigenvalue of ``A`` from one made of
+    rounding: a root whose eigenvalues ``w`` (``"eigh"``'s own) have
+    ``lambda_min <= eps lambda_max``, ``A`` singular at the precision ``eps``
+    of the statistics, gets a NaN residual, so it fails. A ``LinAlgError``
+    of the batched call is retried matrix by matrix, so only the matrices
+    that fail are marked (their ``Z`` and residual are NaN).
     """
     try:
-        Z = root(A)
+        Z, w = root.root_and_eigenvalues(A)
     except Exception as exc:
         if not is_linalg_error(exc):
             raise
-        d = A.shape[-1]
-        flat = xp.reshape(A, (-1, d, d))
-        roots = []
-        for i in range(flat.shape[0]):
-            try:
-                roots.append(root(flat[i, ...]))
-            except Exception as exc_i:
-                if not is_linalg_error(exc_i):
-                    raise
-                roots.append(xp.full((d, d), math.nan, dtype=A.dtype, device=_device(A)))
-        Z = xp.reshape(xp.stack(roots), A.shape)
+        Z, w = _roots_one_by_one(xp, root, A)
     eye = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
-    return Z, xp.linalg.matrix_norm(Z @ A @ Z - eye)
+    residual = xp.linalg.matrix_norm(Z @ A @ Z - eye)
+    if w is None:  # Newton–Schulz: no eigenvalues; a singular A leaves it unconverged, a large residual
+        return Z, residual
+    resolved = w[..., 0] > eps * w[..., -1]
+    return Z, xp.where(resolved, residual, xp.full_like(residual, math.nan))
+
+
+def _roots_one_by_one(xp: Any, root: Any, A: Array) -> tuple[Array, Optional[Array]]:
+    """`_checked_root`'s roots and eigenvalues, matrix by matrix: NaN for each one whose call raised a ``LinAlgError``."""
+    d = A.shape[-1]
+    flat = xp.reshape(A, (-1, d, d))
+    roots, spectra = [], []
+    for i in range(flat.shape[0]):
+        try:
+            Z, w = root.root_and_eigenvalues(flat[i, ...])
+        except Exception as exc:
+            if not is_linalg_error(exc):
+                raise
+            Z = xp.full((d, d), math.nan, dtype=A.dtype, device=_device(A))
+            w = None if root.method != "eigh" else xp.full((d,), math.nan, dtype=A.dtype, device=_device(A))
+        roots.append(Z)
+        spectra.append(w)
+    Z = xp.reshape(xp.stack(roots), A.shape)
+    if spectra[0] is None:
+        return Z, None
+    return Z, xp.reshape(xp.stack(spectra), A.shape[:-1])
 
 
 def _as_float64(xp: Any, A: Array) -> Optional[Array]:
@@ -475,7 +494,8 @@ def checked_inverse_sqrt(
     ``failed`` is ``None`` when roots are not checked (`checks_roots`), else
     a boolean array of the batch shape: the root of that matrix did not pass
     the check of `InverseRootConfig` (a ``LinAlgError``, a residual
-    ``||Z A Z - I||_F`` above the tolerance, or not finite). Where nothing
+    ``||Z A Z - I||_F`` above the tolerance or not finite, or ``eigh``'s
+    eigenvalues with ``lambda_min <= u lambda_max``). Where nothing
     failed, the root is the one `guarded_inverse_sqrt` returns, bit for bit;
     where something did, that function's repair (float64 retry, fallback,
     warning) needs host reads and is left to the caller
@@ -487,9 +507,16 @@ def checked_inverse_sqrt(
     return structure.from_parts(tuple(roots)), ~ok
 
 
+def _statistics_eps(xp: Any, A: Array) -> float:
+    """The unit roundoff ``u = eps / 2`` of the statistics ``A`` were stored in: the cut of `_checked_root`'s
+    eigenvalue test. An eigenvalue ``lambda_min <= u lambda_max`` is within one rounding of the largest
+    entries of zero, so not even its sign is determined by the stored factor."""
+    return float(xp.finfo(A.dtype).eps) / 2
+
+
 def _first_attempt(xp: Any, structure: Structure, config: Any, parts: Any, batch_ndim: int) -> tuple[list, Array]:
     """The roots of a factor's parts by ``config`` and, per matrix of the batch, whether they pass its check."""
-    checked = [_checked_root(xp, config, part, config.tolerance) for part in parts]
+    checked = [_checked_root(xp, config, part, config.tolerance, _statistics_eps(xp, part)) for part in parts]
     return [Z for Z, _ in checked], _matrix_ok(xp, [r for _, r in checked], batch_ndim, config.tolerance)
 
 
@@ -520,7 +547,9 @@ def guarded_inverse_sqrt(
         parts64 = [_as_float64(xp, part) for part in parts]
         retried = all(p is not None for p in parts64)
         if retried:  # the retry: eigh in float64, checked in float64
-            checked64 = [_checked_root(xp, exact, p, config.tolerance) for p in parts64]
+            # the float32 statistics' eps: the float64 root of a float32 factor cannot resolve more than they do
+            checked64 = [_checked_root(xp, exact, p64, config.tolerance, _statistics_eps(xp, part))
+                         for p64, part in zip(parts64, parts)]
             ok64 = _matrix_ok(xp, [r for _, r in checked64], batch_ndim, config.tolerance)
             retry = ok64 & ~ok
             roots = [select(xp, retry, xp.astype(Z64, part.dtype), Z)
@@ -536,7 +565,8 @@ def guarded_inverse_sqrt(
              "not retried in float64, unavailable here: a device without float64, or JAX without jax_enable_x64")
     warnings.warn(
         f"FISMO: the inverse square root of {name}_t failed for {count} of {total} matrices (a LinAlgError, "
-        f"a non-finite result or ||Z {name}_t Z - I||_F > {config.tolerance}, {retry}); "
+        f"a non-finite result, ||Z {name}_t Z - I||_F > {config.tolerance} or lambda_min <= u lambda_max, "
+        f"singular at the precision of the statistics; {retry}); "
         f"they keep {name}_(t-1) and its cached root for this step. state.root_failures counts consecutive "
         f"failures; more than InverseRootConfig.max_failures = {config.max_failures} raise InverseRootError",
         InverseRootWarning,

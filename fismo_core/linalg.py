@@ -761,10 +761,10 @@ def inverse_sqrt(
         scaled = A / 2.0**exponent  # the checks hold at any scale
         _check_symmetric(xp, scaled, "inverse_sqrt")
     if method == "eigh":
-        w, V = xp.linalg.eigh(_exact_dtype(xp, A))
+        Z, w = _eigh_inverse_sqrt(A)
         if checked:
             _check_positive_definite(xp, A, w, "inverse_sqrt")
-        return xp.astype((V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V), A.dtype, copy=False)
+        return Z
     if checked:  # one eigvalsh, the cost of the check on the matmul-only path
         _check_positive_definite(xp, A, xp.linalg.eigvalsh(_exact_dtype(xp, scaled)), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
@@ -785,6 +785,18 @@ def inverse_sqrt(
             Y = Y @ T
         Z = T if Z is None else T @ Z
     return Z / xp.sqrt(scale) / 2.0**half_log4
+
+
+def _eigh_inverse_sqrt(A: Array) -> tuple[Array, Array]:
+    """``(A^{-1/2}, w)``: ``V diag(w^{-1/2}) V^T`` in ``A``'s dtype from ``A = V diag(w) V^T``, and the
+    eigenvalues ``w`` (ascending, ``(..., d)``) it was made of, for a caller that checks them.
+
+    `inverse_sqrt`'s ``"eigh"`` method without its checks (half precision is
+    decomposed in float32, and ``w`` stays float32).
+    """
+    xp = array_namespace(A)
+    w, V = xp.linalg.eigh(_exact_dtype(xp, A))
+    return xp.astype((V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V), A.dtype, copy=False), w
 
 
 def inverse_sqrt_steps(coefficients: Coefficients, steps: Optional[int] = None) -> int:

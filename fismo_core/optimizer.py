@@ -118,10 +118,14 @@ class InverseRootConfig:
     Fault handling (in [`FISMO.direction`][fismo_core.FISMO.direction]; calling
     the config itself computes the root only). With ``fallback`` on, every root
     ``Z`` of ``A = P_t`` (or ``Q_t``) is checked: it fails if computing it
-    raised (``LinAlgError``), or if the residual ``||Z A Z - I||_F`` exceeds
+    raised (``LinAlgError``), if the residual ``||Z A Z - I||_F`` exceeds
     ``tolerance`` or is not finite (a NaN, a non-converged Newton–Schulz
-    iteration, an eigenvalue that came out negative). A failed root is
-    computed again with ``eigh`` in float64 and checked again (in float64). If
+    iteration, an eigenvalue that came out negative), or, with ``eigh``, if
+    ``lambda_min <= u lambda_max`` for its eigenvalues (``u = eps / 2`` of
+    the state's dtype: ``A`` singular at the precision it is stored in,
+    which the residual cannot see). A failed root is
+    computed again with ``eigh`` in float64 and checked again (in float64,
+    the eigenvalue test still at the state's ``u``). If
     that fails too, the matrix keeps ``P_{t-1}`` and its cached root for
     this step (the other side, ``Q``, then uses ``P_{t-1}``), an
     [`InverseRootWarning`][fismo_core.optimizer.InverseRootWarning] is issued
@@ -156,7 +160,8 @@ class InverseRootConfig:
         condition number ``kappa`` has a residual of about ``d eps kappa``
         (``eps`` the dtype's unit roundoff, an estimate); measured, float32
         roots pass up to ``kappa ~ 1e6``-``1e7`` and are repaired in float64
-        beyond (docs/guarantees.md, "The tolerance").
+        beyond, up to ``1 / u ~ 1.7e7``, past which the eigenvalue test
+        fails them (docs/guarantees.md, "The tolerance").
     every:
         Amortisation, as Shampoo's precondition frequency: the roots are
         recomputed on every ``every``-th step only (the steps with
@@ -228,6 +233,11 @@ class InverseRootConfig:
         return linalg.inverse_sqrt(  # check=False: the optimizer's own checks are the fault handling above
             A, method=self.method, steps=self.steps, coefficients=self.coefficients, check=False
         )
+
+    def root_and_eigenvalues(self, A: Array) -> tuple[Array, Optional[Array]]:
+        """``(A^{-1/2}, w)``: the root as calling the config gives it, bit for bit, and with ``"eigh"`` the
+        eigenvalues ``w`` (ascending) it was made of (``None`` for Newton–Schulz, which has none)."""
+        return linalg._eigh_inverse_sqrt(A) if self.method == "eigh" else (self(A), None)
 
     def is_refresh_step(self, step: Any) -> Any:
         """Whether the step taken from a state with ``state.step == step`` recomputes the roots (``every``).

@@ -533,6 +533,61 @@ def test_huge_non_square_gradients_fall_back(shape: tuple) -> None:
         assert np.array_equal(getattr(state, side), np.eye(d, dtype=dtype))
 
 
+def _power_of_two_below(x: float, even: bool = True) -> float:
+    """The largest ``2^e <= x`` with ``e`` even: its square root is a power of two too, so a root is exact."""
+    e = math.floor(math.log2(x))
+    return 2.0 ** (e - (e % 2) if even else e)
+
+
+@IGNORE_SQRT_WARNING
+def test_a_factor_singular_at_its_precision_fails_although_its_root_is_exact(target: Target) -> None:
+    """The residual ||Z A Z - I|| cannot tell an eigenvalue from rounding: diag(1, lambda), powers of two,
+    has an exact root (residual 0) at every lambda. With lambda <= u lambda_max (u = eps / 2, the unit
+    roundoff of the factor's dtype) the stored factor does not even fix lambda's sign, so the root
+    fails, also in the float64 retry of a float32 factor (a float64 root of float32 statistics resolves
+    no more than they do): the matrix keeps its previous factor and root, with a warning. Four
+    roundings above the cut the same factor passes."""
+    from fismo_core import guards
+    from fismo_core.kronecker import FullFactor
+    from fismo_core.optimizer import _EIGH
+
+    xp = target.xp
+    u = float(np.finfo(target.dtype).eps) / 2
+    structure, config = FullFactor(2), InverseRootConfig()
+    previous = target.asarray(2.0 * np.eye(2)[None])
+    for ratio, fails in ((_power_of_two_below(u / 2), True), (_power_of_two_below(16 * u), False)):
+        A = target.asarray(np.diag([1.0, ratio])[None])
+        Z = linalg.inverse_sqrt(A, check=False)
+        assert np.array_equal(_np(Z @ A @ Z), np.eye(2)[None])  # the residual alone passes it
+        _, failed = guards.checked_inverse_sqrt(xp, structure, config, "raise", A, 1)
+        assert _np(failed).tolist() == [fails]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            A_t, root, failed = guards.guarded_inverse_sqrt(
+                xp, structure, config, "raise", A, previous, previous, "P", 1, _EIGH)
+        assert sum(isinstance(w.message, InverseRootWarning) for w in caught) == int(fails)
+        assert np.array_equal(_np(A_t), _np(previous if fails else A))
+        assert np.array_equal(_np(root), _np(previous if fails else Z))
+
+
+@IGNORE_SQRT_WARNING
+@pytest.mark.parametrize("scale", [1e20, 1e30])
+def test_a_huge_gradient_whose_factor_rounding_makes_definite_falls_back(target: Target, scale: float) -> None:
+    """A 6x5 gradient at 1e20 or 1e30: P_t's sixth eigenvalue is ~1e-40 or 1e-60 of the others in
+    exact arithmetic, and rounding made it ~1e-8 or 1e-9 in float32, where eigh's root passed the
+    residual check and the direction was 0.9 and 6.2 away from Algorithm 1 in 120 digits (torch,
+    NumPy; docs/scripts/singular_root_check.py). The eigenvalue test fails that root on every
+    backend: P keeps P_0 = I, with a warning."""
+    X = np.random.default_rng(0).standard_normal((6, 5))
+    G = np.asarray(X / np.abs(X).max() * scale, np.float32).astype(np.float64)
+    opt = FISMO(polar="svd")
+    state = opt.init(target.asarray(np.zeros((6, 5))))
+    with pytest.warns(InverseRootWarning, match=r"inverse square root of P_t failed for 1 of 1"):
+        direction, state = opt.direction(target.asarray(G), state)
+    assert np.array_equal(_np(state.P), np.eye(6)) and _ints(state.root_failures) == [1]
+    assert np.all(np.isfinite(_np(direction)))
+
+
 def _views(module: str):
     """W and G as non-contiguous views (a strided slice, a transpose) and as contiguous copies."""
     rng = np.random.default_rng(11)

@@ -65,6 +65,7 @@ from benchmarks.bench_overhead import (  # noqa: E402
 PHASES: dict[tuple[str, str], str] = {
     ("linalg.py", "polar"): "polar factor, line 8",
     ("linalg.py", "inverse_sqrt"): "inverse roots, lines 4–5",
+    ("linalg.py", "_eigh_inverse_sqrt"): "inverse roots, lines 4–5",
     ("guards.py", "guarded_inverse_sqrt"): "root checks: residuals, fallback",
     ("guards.py", "_checked_root"): "root checks: residuals, fallback",
     ("guards.py", "_matrix_ok"): "root checks: residuals, fallback",
