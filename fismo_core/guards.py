@@ -429,13 +429,14 @@ def is_linalg_error(exc: BaseException) -> bool:
     return any(cls.__name__.endswith("LinAlgError") for cls in type(exc).__mro__)
 
 
-def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, eps: float) -> tuple[Array, Array]:
+def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, unit_roundoff: float) -> tuple[Array, Array]:
     """``Z = A^{-1/2}`` of a stack of square matrices by ``root``, and each one's ``||Z A Z - I||_F``.
 
     The residual cannot tell a small eigenvalue of ``A`` from one made of
     rounding: a root whose eigenvalues ``w`` (``"eigh"``'s own) have
-    ``lambda_min <= eps lambda_max``, ``A`` singular at the precision ``eps``
-    of the statistics, gets a NaN residual, so it fails. A ``LinAlgError``
+    ``lambda_min <= u lambda_max`` (``u = unit_roundoff`` of the statistics'
+    dtype: ``A`` singular at the precision it is stored in) gets a NaN
+    residual, so it fails. A ``LinAlgError``
     of the batched call is retried matrix by matrix, so only the matrices
     that fail are marked (their ``Z`` and residual are NaN).
     """
@@ -449,7 +450,7 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, eps: float) ->
     residual = xp.linalg.matrix_norm(Z @ A @ Z - eye)
     if w is None:  # Newton–Schulz: no eigenvalues; a singular A leaves it unconverged, a large residual
         return Z, residual
-    resolved = w[..., 0] > eps * w[..., -1]
+    resolved = w[..., 0] > unit_roundoff * w[..., -1]
     return Z, xp.where(resolved, residual, xp.full_like(residual, math.nan))
 
 
@@ -507,7 +508,7 @@ def checked_inverse_sqrt(
     return structure.from_parts(tuple(roots)), ~ok
 
 
-def _statistics_eps(xp: Any, A: Array) -> float:
+def _statistics_unit_roundoff(xp: Any, A: Array) -> float:
     """The unit roundoff ``u = eps / 2`` of the statistics ``A`` were stored in: the cut of `_checked_root`'s
     eigenvalue test. An eigenvalue ``lambda_min <= u lambda_max`` is within one rounding of the largest
     entries of zero, so not even its sign is determined by the stored factor."""
@@ -516,7 +517,7 @@ def _statistics_eps(xp: Any, A: Array) -> float:
 
 def _first_attempt(xp: Any, structure: Structure, config: Any, parts: Any, batch_ndim: int) -> tuple[list, Array]:
     """The roots of a factor's parts by ``config`` and, per matrix of the batch, whether they pass its check."""
-    checked = [_checked_root(xp, config, part, config.tolerance, _statistics_eps(xp, part)) for part in parts]
+    checked = [_checked_root(xp, config, part, config.tolerance, _statistics_unit_roundoff(xp, part)) for part in parts]
     return [Z for Z, _ in checked], _matrix_ok(xp, [r for _, r in checked], batch_ndim, config.tolerance)
 
 
@@ -547,8 +548,8 @@ def guarded_inverse_sqrt(
         parts64 = [_as_float64(xp, part) for part in parts]
         retried = all(p is not None for p in parts64)
         if retried:  # the retry: eigh in float64, checked in float64
-            # the float32 statistics' eps: the float64 root of a float32 factor cannot resolve more than they do
-            checked64 = [_checked_root(xp, exact, p64, config.tolerance, _statistics_eps(xp, part))
+            # the float32 statistics' u: the float64 root of a float32 factor cannot resolve more than they do
+            checked64 = [_checked_root(xp, exact, p64, config.tolerance, _statistics_unit_roundoff(xp, part))
                          for p64, part in zip(parts64, parts)]
             ok64 = _matrix_ok(xp, [r for _, r in checked64], batch_ndim, config.tolerance)
             retry = ok64 & ~ok
