@@ -455,7 +455,9 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, unit_roundoff:
 
 
 def _roots_one_by_one(xp: Any, root: Any, A: Array) -> tuple[Array, Optional[Array]]:
-    """`_checked_root`'s roots and eigenvalues, matrix by matrix: NaN for each one whose call raised a ``LinAlgError``."""
+    """`_checked_root`'s roots and eigenvalues, matrix by matrix: NaN for each one whose call raised a
+    ``LinAlgError`` (its NaN root fails the residual whatever its eigenvalues); no eigenvalues (``None``)
+    when the root that succeeded gave none."""
     d = A.shape[-1]
     flat = xp.reshape(A, (-1, d, d))
     roots, spectra = [], []
@@ -466,11 +468,11 @@ def _roots_one_by_one(xp: Any, root: Any, A: Array) -> tuple[Array, Optional[Arr
             if not is_linalg_error(exc):
                 raise
             Z = xp.full((d, d), math.nan, dtype=A.dtype, device=_device(A))
-            w = None if root.method != "eigh" else xp.full((d,), math.nan, dtype=A.dtype, device=_device(A))
+            w = xp.full((d,), math.nan, dtype=A.dtype, device=_device(A))
         roots.append(Z)
         spectra.append(w)
     Z = xp.reshape(xp.stack(roots), A.shape)
-    if spectra[0] is None:
+    if any(w is None for w in spectra):
         return Z, None
     return Z, xp.reshape(xp.stack(spectra), A.shape[:-1])
 

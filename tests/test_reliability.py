@@ -533,10 +533,10 @@ def test_huge_non_square_gradients_fall_back(shape: tuple) -> None:
         assert np.array_equal(getattr(state, side), np.eye(d, dtype=dtype))
 
 
-def _power_of_two_below(x: float, even: bool = True) -> float:
+def _power_of_two_below(x: float) -> float:
     """The largest ``2^e <= x`` with ``e`` even: its square root is a power of two too, so a root is exact."""
     e = math.floor(math.log2(x))
-    return 2.0 ** (e - (e % 2) if even else e)
+    return 2.0 ** (e - e % 2)
 
 
 @IGNORE_SQRT_WARNING

@@ -13,7 +13,8 @@ on shapes and scales where a factor's condition number passes 1 / u (u the
 float32 unit roundoff), with the roots' eigenvalue test (lambda_min <= u
 lambda_max fails) and without it (the residual alone, the check before
 2026-11-28), and prints each run's direction error against float64 FISMO on
-the same gradients (median, max over the steps) and its InverseRootWarnings.
+the same gradients (median, max over the steps) and its InverseRootWarnings, and
+the step at which the default run (max_failures=10) stops with InverseRootError.
 
     python docs/scripts/singular_root_check.py                  # a few seconds
     python docs/scripts/singular_root_check.py --trajectories   # about 3 minutes
@@ -30,7 +31,7 @@ import torch
 
 from fismo_core import FISMO, InverseRootConfig
 from fismo_core.guards import FactorSizeWarning
-from fismo_core.optimizer import InverseRootWarning
+from fismo_core.optimizer import InverseRootError, InverseRootWarning
 
 mp.mp.dps = 120
 
@@ -123,16 +124,43 @@ def trajectory(shape: tuple, rank, scale: float, eigenvalue_test: bool, steps: i
     return float(np.median(errors)), float(np.max(errors)), warned, kappa, reference_warned
 
 
+def stopping_step(shape: tuple, rank, scale: float, eigenvalue_test: bool, steps: int = 30):
+    """The step at which the default float32 run (``max_failures=10``) raises ``InverseRootError``, or ``None``."""
+    with_test = InverseRootConfig.root_and_eigenvalues
+    if not eigenvalue_test:
+        InverseRootConfig.root_and_eigenvalues = lambda self, A: (with_test(self, A)[0], None)
+    try:
+        rng = np.random.default_rng(0)
+        opt = FISMO()
+        state = opt.init(np.zeros(shape, np.float32))
+        for t in range(steps):
+            if rank is None:
+                G = rng.standard_normal(shape)
+            else:
+                G = rng.standard_normal((shape[0], rank)) @ rng.standard_normal((rank, shape[1]))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", InverseRootWarning)
+                try:
+                    _, state = opt.direction((G * scale).astype(np.float32), state)
+                except InverseRootError:
+                    return t + 1
+        return None
+    finally:
+        InverseRootConfig.root_and_eigenvalues = with_test
+
+
 def trajectories() -> None:
     print("| shape | gradient | scale | max kappa (float64) | float64 warnings "
-          "| without the eigenvalue test: median, max error, warnings | with it: median, max error, warnings |")
-    print("|---|---|---|---|---|---|---|")
+          "| without the eigenvalue test: median, max error, warnings | with it: median, max error, warnings "
+          "| the default run stops at step (without, with) |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape, rank, scales in TRAJECTORY_CASES:
         for scale in scales:
             old = trajectory(shape, rank, scale, False)
             new = trajectory(shape, rank, scale, True)
             print(f"| {shape[0]}x{shape[1]} | {'Gaussian' if rank is None else f'rank {rank}'} | {scale:g} "
-                  f"| {old[3]:.2g} | {old[4]} | {old[0]:.2g}, {old[1]:.2g}, {old[2]} | {new[0]:.2g}, {new[1]:.2g}, {new[2]} |",
+                  f"| {old[3]:.2g} | {old[4]} | {old[0]:.2g}, {old[1]:.2g}, {old[2]} | {new[0]:.2g}, {new[1]:.2g}, {new[2]} "
+                  f"| {stopping_step(shape, rank, scale, False)}, {stopping_step(shape, rank, scale, True)} |",
                   flush=True)
 
 
