@@ -169,6 +169,25 @@ def test_raise_policy_says_what_and_how_many() -> None:
         opt.step(W, G, opt.init(W))
 
 
+@pytest.mark.parametrize("namespace", ["numpy", "array_api_strict"])
+def test_the_finiteness_check_raises_or_skips_without_numpy_warnings(namespace: str) -> None:
+    """NumPy (and array-api-strict, on NumPy) warned ``invalid value encountered in multiply`` (the
+    check's ``inf * 0``) before the ValueError: noise before the one message that says what happened.
+    Under ``"skip"`` the warning came with every skipped step."""
+    mod = pytest.importorskip(namespace)
+    W = mod.asarray(np.zeros((3, 4)))
+    G_host = np.ones((3, 4))
+    G_host[0, 0] = math.inf
+    G = mod.asarray(G_host)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"0 NaN, 1 infinite of 12 entries"):
+            FISMO().step(W, G, FISMO().init(W))
+        skipper = FISMO(nonfinite="skip")
+        _, state = skipper.step(W, G, skipper.init(W))
+    assert int(state.skipped) == 1
+
+
 def test_raise_policy_checks_the_gradient_as_cast_to_the_state_dtype() -> None:
     """A float64 gradient beyond float32's range is finite but infinite once cast to a float32 state:
     every entry point refused it under ``"raise"`` before (the check read the float64 ``G``) and took a
@@ -586,6 +605,28 @@ def test_a_huge_gradient_whose_factor_rounding_makes_definite_falls_back(target:
         direction, state = opt.direction(target.asarray(G), state)
     assert np.array_equal(_np(state.P), np.eye(6)) and _ints(state.root_failures) == [1]
     assert np.all(np.isfinite(_np(direction)))
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.95])
+def test_the_largest_damping_makes_the_factors_the_identity_without_overflow(target: Target, gamma: float) -> None:
+    """``FISMO(mu=1e300)`` overflowed ``(1 - gamma) mu tr(P)`` in float32 statistics: every root failed,
+    with NumPy's overflow warnings. ``mu`` above 1e30 is now refused (tests/test_errors.py); at 1e30 the
+    step is finite and quiet on every backend, and the damping, about 1e29 times the statistics, makes
+    ``P_t`` and ``Q_t`` the identity: off the diagonal entries of that order (1e-20: far above them), on it
+    1 to a rounding or two of the dtype (``k c = 1 / (1 + 1e-29)`` and its product with ``I``)."""
+    rng = np.random.default_rng(3)
+    W, G = rng.standard_normal((40, 9)), rng.standard_normal((40, 9))
+    opt = FISMO(mu=1e30, gamma=gamma)
+    state = opt.init(target.asarray(W))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            direction, state = opt.direction(target.asarray(G), state)
+    assert np.all(np.isfinite(_np(direction))) and _ints(state.root_failures) == [0]
+    eps = float(np.finfo(target.dtype).eps)
+    for factor in (_np(state.P), _np(state.Q)):
+        off_diagonal = factor - np.diag(np.diag(factor))
+        assert np.abs(off_diagonal).max() <= 1e-20 and np.abs(np.diag(factor) - 1).max() <= 2 * eps
 
 
 def _views(module: str):
