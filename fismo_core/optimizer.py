@@ -500,6 +500,12 @@ def _as_config(value: Any, config_type: type, name: str) -> Any:
     raise TypeError(f"{name} must be a {config_type.__name__}, a method name or a dict of its fields, got {value!r}")
 
 
+_MU_MAX = 1e30
+"""The largest damping ``mu``: ``(1 - gamma) mu tr(P_{t-1})`` stays finite in float32 statistics
+(float32's largest is 3.4e38) for every side up to 2^24, and already at 1e18 the damping makes
+``P_t = Q_t = I`` to float64's precision, so no larger value changes the step."""
+
+
 def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
     try:  # an int beyond float's range (10**400) raises OverflowError in isfinite
         finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
@@ -598,6 +604,8 @@ class FISMO:
         ``mu tr(P_{t-1})/m I`` and ``mu tr(Q_{t-1})/n I``, a floor under the
         preconditioners' eigenvalues. Default 1e-3. ``mu = 0`` needs
         ``gamma > 0`` (the EMA keeps ``P_{t-1}``'s positive definiteness).
+        At most 1e30: a larger damping would overflow float32 statistics,
+        and from about 1e18 on ``P_t = Q_t = I`` to float64's precision.
     polar:
         How ``Polar(M_t)`` is computed: a [`PolarConfig`][fismo_core.PolarConfig], a method name
         (``"newton_schulz"``, ``"svd"``) or a dict of its fields. Muon's
@@ -709,6 +717,11 @@ class FISMO:
         set_(self, "beta", _check_real("beta", self.beta, 0.0, 1.0))
         set_(self, "gamma", _check_real("gamma", self.gamma, 0.0, 1.0))
         set_(self, "mu", _check_real("mu", self.mu, 0.0))
+        if self.mu > _MU_MAX:
+            raise ValueError(
+                f"mu must be at most {_MU_MAX:g}, got {self.mu!r}: a larger damping overflows float32 statistics, "
+                "and from about 1e18 on it makes P_t = Q_t = I to float64's precision (no larger value changes the step)"
+            )
         if self.gamma == 0.0 and self.mu == 0.0:
             raise ValueError(
                 "gamma=0 with mu=0 makes P_t and Q_t the current gradient's statistics alone, without a floor: "

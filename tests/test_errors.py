@@ -248,6 +248,7 @@ HYPERPARAMETER_ERRORS = [
     ({"mu": -1e-3}, ValueError, r"mu must lie in \[0\.0, inf\), got -0\.001"),
     ({"mu": math.inf}, ValueError, r"mu must be a finite real number, got inf"),
     ({"mu": True}, ValueError, r"mu must be a finite real number, got True"),
+    ({"mu": 1.0000001e30}, ValueError, r"mu must be at most 1e\+30, got 1\.0000001e\+30: a larger damping overflows float32"),
     ({"weight_decay": -0.1}, ValueError, r"weight_decay must lie in \[0\.0, inf\)"),
     ({"weight_decay": math.nan}, ValueError, r"weight_decay must be a finite real number"),
     ({"weight_decay": True}, ValueError, r"weight_decay must be a finite real number, got True"),
@@ -352,8 +353,8 @@ def test_hyperparameters_cannot_be_changed_past_the_checks(field: str, value: An
 
 
 def test_boundary_values_are_accepted() -> None:
-    """The closed ends of the documented ranges are valid (beta, gamma in [0, 1]; mu, weight_decay >= 0)."""
-    for kwargs in ({"beta": 0.0}, {"beta": 1.0}, {"gamma": 0.0}, {"gamma": 1.0}, {"mu": 0.0}, {"weight_decay": 0.0}, {"lr": 1}):
+    """The closed ends of the documented ranges are valid (beta, gamma in [0, 1]; mu in [0, 1e30], weight_decay >= 0)."""
+    for kwargs in ({"beta": 0.0}, {"beta": 1.0}, {"gamma": 0.0}, {"gamma": 1.0}, {"mu": 0.0}, {"mu": 1e30}, {"weight_decay": 0.0}, {"lr": 1}):
         opt = FISMO(**kwargs)
         for k, v in kwargs.items():
             assert getattr(opt, k) == v and isinstance(getattr(opt, k), float)
