@@ -770,8 +770,12 @@ def inverse_sqrt(
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
     # The iteration runs on A / 4^j, 4^j <= max|A| < 4^(j+1) per matrix: its ||.||_F can neither
     # overflow nor underflow, and the root's factor 2^j is exact (bit for bit the unscaled iteration
-    # wherever ||A||_F is computed without overflow or underflow).
-    half_log4 = xp.floor(exponent / 2)
+    # wherever ||A||_F is computed without overflow or underflow). j is at least half the exponent of
+    # the smallest subnormal, rounded up (float32: 4^-74), since 4^-75 = 2^-150 rounds to zero:
+    # max|A| = 2^-149 then gives A / 4^-74 in [1/2, 1), as good.
+    finfo = xp.finfo(A.dtype)
+    smallest_half_log4 = math.ceil(math.log2(float(finfo.smallest_normal) * float(finfo.eps)) / 2)
+    half_log4 = xp.maximum(xp.floor(exponent / 2), xp.full_like(exponent, smallest_half_log4))
     A = A / 4.0**half_log4
     scale = safety**2 * xp.linalg.matrix_norm(A, keepdims=True)
     Y = A / scale

@@ -253,6 +253,25 @@ def test_checks_hold_at_any_scale() -> None:
             assert reported(message, "||A - A^T||_F / ||A||_F") == two_digits(math.sqrt(2) / 3)
 
 
+def test_newton_schulz_root_at_the_ends_of_the_dtype(target: Target) -> None:
+    """The iteration runs on A / 4^j; for max|A| the smallest subnormal (float32 2^-149), 4^j = 2^-150
+    rounded to zero and the root was NaN with no error. Now c I gives c^(-1/2) I from the smallest
+    subnormal to a quarter of the largest value (twice the iteration's float32 / float64 accuracy on
+    the identity, measured 0 and 1 ulp)."""
+    finfo = np.finfo(target.dtype)
+    smallest = float(finfo.smallest_normal) * float(finfo.eps)
+    for c in (smallest, 2 * smallest, float(finfo.smallest_normal), float(finfo.max) / 4):
+        A = target.asarray(np.eye(3, dtype=target.dtype) * np.asarray(c, dtype=target.dtype))
+        if c < float(finfo.smallest_normal) and to_numpy(A * 1)[0, 0] == 0:
+            # XLA on CPU flushes subnormal results to zero: the check sees a zero matrix and says so
+            with pytest.raises(LinalgInputError, match=r"inverse_sqrt: A is zero \(singular\)"):
+                inverse_sqrt(A, method="newton_schulz")
+            continue
+        Z = to_numpy(inverse_sqrt(A, method="newton_schulz"))
+        np.testing.assert_allclose(np.diag(Z), np.full(3, 1 / math.sqrt(c)), rtol=4 * float(finfo.eps))
+        assert np.count_nonzero(Z - np.diag(np.diag(Z))) == 0
+
+
 # --- The switch ----------------------------------------------------------------------------------
 
 
