@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import sys
@@ -638,10 +639,8 @@ def verify(
     worker cannot take the optimizer (a class it cannot import), JAX is
     checked in this process.
     """
-    try:
-        import numpy  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeError("fismo verify needs NumPy, the reference backend: pip install 'fismo[numpy]'") from exc
+    if importlib.util.find_spec("numpy") is None:
+        raise RuntimeError("fismo verify needs NumPy, the reference backend: pip install 'fismo[numpy]'")
     steps = _check_integer("steps", steps)
     report = Report()
     with full_float32_matmuls(), _one_thread():
@@ -715,9 +714,7 @@ def main(
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     started = (time.perf_counter(), time.process_time(), _worker_cpu_seconds())
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("numpy") is None:
         print("fismo verify: needs NumPy, the reference backend: pip install 'fismo[numpy]'", file=err)
         return 2
     if save is not None and not Path(save).resolve().parent.is_dir():

@@ -472,6 +472,19 @@ def test_refuses_streams_whose_arrays_do_not_hold_the_steps(saved: Path, tmp_pat
     _refused(out, capsys, rf"is damaged: stream '{key.split('/')[0]}' does not hold \d+ steps of W0's shape")
 
 
+def test_verify_without_numpy_says_how_to_install_it(monkeypatch, capsys) -> None:
+    """NumPy is the reference backend but an optional dependency: without it the command and the
+    function say what to install (exit 2 and one line; a RuntimeError), before running anything."""
+    monkeypatch.setitem(sys.modules, "numpy", None)  # what an environment without NumPy gives
+    assert cli_main(["verify", "--steps", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == (
+        "fismo verify: needs NumPy, the reference backend: pip install 'fismo[numpy]'"
+    )
+    with pytest.raises(RuntimeError, match=r"needs NumPy, the reference backend: pip install 'fismo\[numpy\]'"):
+        verify(steps=1)
+
+
 def test_save_into_a_directory_is_refused_before_running(tmp_path: Path, capsys) -> None:
     """``--save .`` failed only after the whole run; now before it, exit 2 and one line."""
     assert cli_main(["verify", "--steps", "1", "--save", str(tmp_path)]) == 2
