@@ -84,6 +84,25 @@ The leading axis is the output axis (Muon's conv rule), as in the torch adapter.
 _DEFAULTS = FISMO()
 
 
+def _python_settings(factory: str, settings: dict[str, Any], *, takes_learning_rate: bool = True) -> None:
+    """Refuse a JAX array among ``factory``'s numeric settings, naming the one way to use ``optax.inject_hyperparams``.
+
+    FISMO's settings are Python values, checked once when the transformation is built (a
+    traced value cannot be). ``optax.inject_hyperparams`` passes every numeric argument not in
+    its ``static_args`` as an array, and calls every callable one as a schedule (hence the
+    ``None`` defaults of ``polar``, ``inv_root`` and ``matrix_shape``, which it passes through).
+    """
+    for name, value in settings.items():
+        if isinstance(value, jax.Array):
+            which, names = ("all but the learning rate", "[1:]") if takes_learning_rate else ("all", "")
+            raise TypeError(
+                f"{factory}: {name} must be a Python number, got a JAX array: FISMO's settings are checked once, "
+                "when the transformation is built, and cannot be scheduled. optax.inject_hyperparams passes every "
+                f"numeric argument not in static_args as an array; keep {which} static: optax.inject_hyperparams("
+                f"{factory}, static_args=tuple(inspect.signature({factory}).parameters){names})"
+            )
+
+
 #: optax.contrib.muon's keywords for what is not FISMO's here: the AdamW of the other leaves, the leaves' layout.
 _MUON = "optax.contrib.muon"
 _OPTAX_MUON_NOTES = {
@@ -341,16 +360,18 @@ def scale_by_fismo(
     gamma: float = _DEFAULTS.gamma,
     mu: float = _DEFAULTS.mu,
     *,
-    polar: Union[PolarConfig, str, dict] = _DEFAULTS.polar,
-    inv_root: Union[InverseRootConfig, str, dict] = _DEFAULTS.inv_root,
+    polar: Union[PolarConfig, str, dict, None] = None,
+    inv_root: Union[InverseRootConfig, str, dict, None] = None,
     nesterov: bool = _DEFAULTS.nesterov,
     statistics: str = _DEFAULTS.statistics,
-    matrix_shape: MatrixShape = default_matrix_shape,
+    matrix_shape: Optional[MatrixShape] = None,
     block_size: Optional[int] = _DEFAULTS.block_size,
 ) -> optax.GradientTransformation:
     """FISMO's direction ``dW_t`` (lines 4-8 of Algorithm 1) for every leaf: not negated, not scaled.
 
     Every leaf must have ``ndim >= 2``; use :func:`fismo` for a whole model.
+    The arguments are `fismo`'s (``None``: the core's ``polar`` and
+    ``inv_root``, `default_matrix_shape`).
     Directions have the gradient's dtype (the state is float32 for bf16/fp16
     leaves, as in the core). ``block_size`` is the core's: a side longer than
     it keeps only its diagonal blocks (a [`Blocks`][fismo_core.kronecker.Blocks]
@@ -392,14 +413,17 @@ def scale_by_fismo(
     >>> bool(jnp.all(jnp.isfinite(directions["w"]))), int(state.states["w"].step)
     (True, 1)
     """
+    _python_settings("scale_by_fismo", {"beta": beta, "gamma": gamma, "mu": mu, "block_size": block_size},
+                     takes_learning_rate=False)
+    matrix_shape = default_matrix_shape if matrix_shape is None else matrix_shape
     # The learning rate is applied by fismo()'s line 9; the core's lr is unused by FISMO.direction.
     core = FISMO(
         lr=1.0,
         beta=beta,
         gamma=gamma,
         mu=mu,
-        polar=polar,
-        inv_root=inv_root,
+        polar=_DEFAULTS.polar if polar is None else polar,
+        inv_root=_DEFAULTS.inv_root if inv_root is None else inv_root,
         nesterov=nesterov,
         statistics=statistics,
         block_size=block_size,
@@ -509,14 +533,14 @@ def fismo(
     gamma: float = _DEFAULTS.gamma,
     mu: float = _DEFAULTS.mu,
     *,
-    polar: Union[PolarConfig, str, dict] = _DEFAULTS.polar,
-    inv_root: Union[InverseRootConfig, str, dict] = _DEFAULTS.inv_root,
+    polar: Union[PolarConfig, str, dict, None] = None,
+    inv_root: Union[InverseRootConfig, str, dict, None] = None,
     weight_decay: float = _DEFAULTS.weight_decay,
     nesterov: bool = _DEFAULTS.nesterov,
     statistics: str = _DEFAULTS.statistics,
     non_matrix: Union[str, optax.GradientTransformation] = "adamw",
     matrix_mask: Optional[Any] = None,
-    matrix_shape: MatrixShape = default_matrix_shape,
+    matrix_shape: Optional[MatrixShape] = None,
     block_size: Optional[int] = _DEFAULTS.block_size,
 ) -> optax.GradientTransformation:
     """FISMO (Algorithm 1) for the matrix leaves of a pytree, as an optax transformation.
@@ -531,7 +555,10 @@ def fismo(
         FISMO's directions have singular values near 1, so Muon-like values
         (about 0.02) are the starting point.
     beta, gamma, mu, polar, inv_root, nesterov, statistics:
-        As in [`fismo_core.FISMO`][fismo_core.FISMO].
+        As in [`fismo_core.FISMO`][fismo_core.FISMO]; ``polar=None`` and
+        ``inv_root=None`` (the defaults) are the core's defaults. Python
+        values, checked here: with ``optax.inject_hyperparams`` keep them in
+        ``static_args`` (page "Backends").
     weight_decay:
         Decoupled weight decay of the matrix leaves, by the core's rule
         ([`line_9_factors`][fismo_core.optimizer.line_9_factors]):
@@ -549,7 +576,7 @@ def fismo(
         leaves go to ``non_matrix``. Default: ``leaf.ndim >= 2``.
     matrix_shape:
         The matrix a leaf of more than two dimensions is optimized as;
-        default ``(shape[0], prod(shape[1:]))``.
+        ``None`` (default): `default_matrix_shape`, ``(shape[0], prod(shape[1:]))``.
     block_size:
         ``None`` (default): full factors, the printed algorithm. An integer
         ``B``: block-diagonal factors, as [`fismo_core.FISMO`][fismo_core.FISMO]'s
@@ -564,6 +591,8 @@ def fismo(
     the whole state (the AdamW leaves' and the schedule's counts too; page
     "Backends", section "Sharding").
     """
+    _python_settings("fismo", {"beta": beta, "gamma": gamma, "mu": mu, "weight_decay": weight_decay,
+                               "block_size": block_size})
     if isinstance(non_matrix, str):
         if non_matrix == "adamw":
             other = optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
@@ -622,7 +651,7 @@ def fismo_training(
     statistics: Any = _PRESET,
     block_size: Any = _PRESET,
     matrix_mask: Optional[Any] = None,
-    matrix_shape: MatrixShape = default_matrix_shape,
+    matrix_shape: Optional[MatrixShape] = None,
 ) -> optax.GradientTransformation:
     """The training configuration with ``optax.contrib.muon``'s signature: ``muon(`` -> ``fismo_training(``.
 
@@ -661,11 +690,16 @@ def fismo_training(
     With ``optax.inject_hyperparams``, name every argument but
     ``learning_rate`` in ``static_args``,
     ``tuple(inspect.signature(fismo_training).parameters)[1:]`` (FISMO's
-    settings are Python values, checked once; several are callables, which
-    it would take for schedules); the same holds for `fismo`.
+    settings are Python values, checked once; without it ``init`` raises a
+    ``TypeError`` saying so); the same holds for `fismo`.
     With ``gamma=1`` and ``nesterov=False`` it is ``optax.contrib.muon(..., nesterov=False)``
     up to rounding. Bad input raises here, before any state exists, naming the argument.
     """
+    _python_settings("fismo_training", {
+        "ns_steps": ns_steps, "beta": beta, "eps": eps, "weight_decay": weight_decay, "adam_b1": adam_b1,
+        "adam_b2": adam_b2, "adam_eps_root": adam_eps_root, "adam_weight_decay": adam_weight_decay,
+        "consistent_rms": consistent_rms, "gamma": gamma, "mu": mu, "block_size": block_size,
+    })
     given = {"gamma": gamma, "mu": mu, "polar": polar, "inv_root": inv_root, "statistics": statistics,
              "block_size": block_size}
     fismo_options = {k: v for k, v in given.items() if v is not _PRESET}
@@ -742,6 +776,7 @@ def _fismo_transformation(
     """
     weight_decay = FISMO(weight_decay=weight_decay).weight_decay  # the core's check (a finite number >= 0)
     _check_learning_rate(learning_rate)
+    matrix_shape = default_matrix_shape if matrix_shape is None else matrix_shape
 
     def labels(tree: Any) -> Any:
         mask = matrix_mask(tree) if callable(matrix_mask) else matrix_mask

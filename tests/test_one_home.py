@@ -79,13 +79,20 @@ def test_torch_flattens_weights_by_the_core_rule(monkeypatch: pytest.MonkeyPatch
 
 
 def test_optax_flattens_weights_by_the_core_rule() -> None:
-    """The optax adapter's default ``matrix_shape`` is the core's function itself (bound when it is defined)."""
+    """The optax adapter's default ``matrix_shape`` is the core's function itself (bound when it is defined);
+    the factories' ``matrix_shape=None`` (their default, which ``optax.inject_hyperparams`` does not take for
+    a schedule) is that function."""
     _optax()
+    import jax.numpy as jnp
     from fismo_core.backends import optax as adapter
 
     assert adapter.default_matrix_shape is fismo_core.optimizer.matrix_shape
-    for function in (adapter.fismo, adapter.scale_by_fismo):
-        assert inspect.signature(function).parameters["matrix_shape"].default is fismo_core.optimizer.matrix_shape
+    conv = (4, 2, 3, 3)
+    m, n = fismo_core.optimizer.matrix_shape(conv)
+    for function in (adapter.fismo, adapter.fismo_training, adapter.scale_by_fismo):
+        assert inspect.signature(function).parameters["matrix_shape"].default is None
+    state = adapter.scale_by_fismo().init({"conv": jnp.ones(conv)})
+    assert (state.states["conv"].P.shape, state.states["conv"].Q.shape) == ((m, m), (n, n))
 
 
 # ------------------------------------------------------------------ root refresh (InverseRootConfig.every)
@@ -313,8 +320,20 @@ def test_optax_defaults_are_the_cores() -> None:
     for function, names in expected.items():
         parameters = inspect.signature(function).parameters
         assert CORE_FIELDS & set(parameters) == names
-        for name in names:
+        for name in names - {"polar", "inv_root"}:
             assert parameters[name].default == _core_default(name), (function.__name__, name)
+        # None, as in the torch adapter (and not a config, which optax.inject_hyperparams would call as a
+        # schedule): the core's default, bit for bit
+        assert parameters["polar"].default is None and parameters["inv_root"].default is None
+    import jax.numpy as jnp
+
+    params = {"w": jnp.ones((4, 3))}
+    grads = {"w": jnp.arange(12.0).reshape(4, 3) / 12}
+    explicit = {"polar": _core_default("polar"), "inv_root": _core_default("inv_root")}
+    for build in (lambda **kw: scale_by_fismo(**kw), lambda **kw: fismo(0.02, **kw)):
+        given, default = build(**explicit), build()
+        ups = [tx.update(grads, tx.init(params), params)[0]["w"] for tx in (given, default)]
+        assert bool(jnp.array_equal(*ups)) and bool(jnp.any(ups[0] != 0))
 
 
 def test_torch_defaults_are_the_cores() -> None:

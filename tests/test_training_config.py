@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 
 import numpy as np
 import pytest
@@ -622,6 +623,35 @@ def test_optax_inject_hyperparams_with_every_other_argument_static(factory: str)
     state.hyperparams["learning_rate"] = jnp.zeros_like(state.hyperparams["learning_rate"])
     still, _ = update(grads, state, params)
     assert all(not bool(jnp.any(u != 0)) for u in jax.tree.leaves(still))
+
+
+@pytest.mark.parametrize("factory", ["fismo", "fismo_training", "scale_by_fismo"])
+def test_optax_inject_hyperparams_without_static_args_says_how(factory: str) -> None:
+    """``optax.inject_hyperparams(fismo_training)(learning_rate=0.02)``, the natural first try, failed in
+    ``init`` inside optax with ``TypeError: len() of unsized object`` (it called the default
+    ``matrix_shape`` as a schedule of the step count; ``fismo``'s default ``PolarConfig`` likewise). Now
+    the factory refuses the array inject_hyperparams made of its first numeric setting and names the
+    ``static_args`` that work, which the test then uses; a JAX array given directly is refused alike."""
+    jax, optax = _optax()
+    import jax.numpy as jnp
+    from fismo_core.backends import optax as adapter
+
+    fn = getattr(adapter, factory)
+    takes_lr = factory != "scale_by_fismo"
+    first_numeric = {"fismo": "beta", "fismo_training": "ns_steps", "scale_by_fismo": "beta"}[factory]
+    params = {"w": jnp.ones((4, 3))}
+    tx = optax.inject_hyperparams(fn)(**({"learning_rate": 0.02} if takes_lr else {}))
+    with pytest.raises(TypeError, match=rf"{factory}: {first_numeric} must be a Python number, got a JAX array") as info:
+        tx.init(params)
+    hint = re.search(r"static_args=(.*)\)$", str(info.value)).group(1)
+    static = eval(hint, {"inspect": inspect, factory: fn})  # the message's own expression
+    assert static == tuple(inspect.signature(fn).parameters)[1 if takes_lr else 0:]
+    tx = optax.inject_hyperparams(fn, static_args=static)(**({"learning_rate": 0.02} if takes_lr else {}))
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)({"w": jnp.full((4, 3), 0.01)}, state, params)
+    assert bool(jnp.any(updates["w"] != 0))
+    with pytest.raises(TypeError, match=rf"{factory}: beta must be a Python number, got a JAX array"):
+        fn(**({"learning_rate": 0.02} if takes_lr else {}), beta=jnp.asarray(0.9))
 
 
 def test_optax_training_ns_coeffs_schedule() -> None:
