@@ -502,8 +502,9 @@ def _as_config(value: Any, config_type: type, name: str) -> Any:
 
 _MU_MAX = 1e30
 """The largest damping ``mu``: ``(1 - gamma) mu tr(P_{t-1})`` stays finite in float32 statistics
-(float32's largest is 3.4e38) for every side up to 2^24, and already at 1e18 the damping makes
-``P_t = Q_t = I`` to float64's precision, so no larger value changes the step."""
+(float32's largest is 3.4e38) for every side up to 2^24. The damping outweighs the EMA term by
+``(1 - gamma) mu / gamma``, so at 1e30 ``P_t = Q_t = I`` to float64's precision for every
+``gamma <= 1 - 1e-12`` (``gamma = 1`` keeps them at ``I`` anyway): no larger value would change the step."""
 
 
 def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
@@ -605,7 +606,7 @@ class FISMO:
         preconditioners' eigenvalues. Default 1e-3. ``mu = 0`` needs
         ``gamma > 0`` (the EMA keeps ``P_{t-1}``'s positive definiteness).
         At most 1e30: a larger damping would overflow float32 statistics,
-        and from about 1e18 on ``P_t = Q_t = I`` to float64's precision.
+        and at 1e30 ``P_t = Q_t = I`` to float64's precision already.
     polar:
         How ``Polar(M_t)`` is computed: a [`PolarConfig`][fismo_core.PolarConfig], a method name
         (``"newton_schulz"``, ``"svd"``) or a dict of its fields. Muon's
@@ -720,7 +721,7 @@ class FISMO:
         if self.mu > _MU_MAX:
             raise ValueError(
                 f"mu must be at most {_MU_MAX:g}, got {self.mu!r}: a larger damping overflows float32 statistics, "
-                "and from about 1e18 on it makes P_t = Q_t = I to float64's precision (no larger value changes the step)"
+                "and at 1e30 it already makes P_t = Q_t = I to float64's precision (no larger value would change the step)"
             )
         if self.gamma == 0.0 and self.mu == 0.0:
             raise ValueError(
