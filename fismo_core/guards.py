@@ -591,14 +591,17 @@ def _caller_stacklevel() -> int:
     The depth differs between ``FISMO.step``, ``FISMO.direction`` and the
     adapters, so it is counted rather than fixed. The frameworks' own
     frames between the user and an adapter (``torch.no_grad``'s wrapper of
-    ``optimizer.step``, ``jax.tree`` and ``optax`` combinators) are passed over too.
+    ``optimizer.step``, ``jax.tree`` and ``optax`` combinators) are passed over too. The demo
+    (``fismo_core/demo/``) is a user of the optimizer: its training loop is where its warnings point
+    (passed over, they pointed into ``concurrent/futures/process.py`` of its worker processes).
     """
     import fismo_core.backends
 
     roots = tuple(os.path.dirname(p) + os.sep for p in (__file__, fismo_core.backends.__file__))
+    users = (os.path.join(os.path.dirname(__file__), "demo") + os.sep,)
     frame, level = sys._getframe(1), 1
     while frame is not None and (
-        frame.f_code.co_filename.startswith(roots)
+        (frame.f_code.co_filename.startswith(roots) and not frame.f_code.co_filename.startswith(users))
         or frame.f_globals.get("__name__", "").startswith(_FRAMEWORK_MODULES)
     ):
         frame, level = frame.f_back, level + 1

@@ -14,11 +14,13 @@ import json
 import math
 import re
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import pytest
 
+import fismo_core
 from fismo_core import FISMO, FactorSizeWarning, FISMOState, InverseRootConfig, PolarConfig, guards, linalg
 
 SHAPE = (6, 9)
@@ -465,6 +467,21 @@ def test_a_thin_matrix_warns_once_naming_block_size(shape: tuple[int, int]) -> N
     assert f"W, a {shape[0]}x{shape[1]} matrix" in message and "(2000x2000)" in message
     assert "Pass block_size=B" in message
     assert warning.filename == __file__  # it points at the user's call
+
+
+def test_a_warning_raised_under_the_demo_points_at_the_demo() -> None:
+    """The demo (``fismo_core/demo/``) is the optimizer's user: its warnings point at its training loop.
+
+    Passed over as library frames, they pointed past it, into ``concurrent/futures/process.py`` of the
+    demo's worker processes. The call is compiled under the demo's file name: the rule is by file.
+    """
+    demo_file = str(Path(fismo_core.__file__).parent / "demo" / "train.py")
+    call = compile("FISMO().init(W)", demo_file, "exec")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        exec(call, {"FISMO": FISMO, "W": np.zeros((1, 2000), dtype=np.float32)})
+    (warning,) = _factor_size_warnings(record)
+    assert warning.filename == demo_file
 
 
 def test_blocks_bound_the_factors_and_silence_the_warning() -> None:
