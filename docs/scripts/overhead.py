@@ -315,7 +315,7 @@ def profile_section(configs: list[str], steps: int = 20, top: int = 4) -> None:
         # the step's own record_function: its self time is Python and dispatch outside every aten op
         own = sum(e.self_cpu_time_total for e in events if e.key.startswith("Optimizer.step#")) / steps / 1e3
         ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)[:top]
-        busiest = ", ".join(f"{e.key[6:]} {e.self_cpu_time_total / steps / 1e3:.2f} ({e.count // steps})" for e in ops)
+        busiest = ", ".join(f"{e.key[6:]} {e.self_cpu_time_total / steps / 1e3:.2f} ({e.count / steps:g})" for e in ops)
         rows.append([CONFIG_LABELS.get(name, name), f"{total:.2f}", f"{own:.2f}", busiest])
     print(table(["optimizer", "step", "outside aten ops (Python)", f"busiest aten ops (calls per step), top {top}"],
                 rows))
