@@ -77,13 +77,17 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def param_name(group: dict, index: int, group_index: int) -> str:
-    """How error messages name parameter ``index`` of ``group``: its name when known, else index, group and shape."""
+def param_name(group: dict, index: int, group_index: int, *, located: bool = False) -> str:
+    """How error messages name parameter ``index`` of ``group``: its name when known, else index, group and shape.
+
+    ``located``: a name is followed by the index, group and shape too (where a message must find the tensor).
+    """
+    shape = tuple(group["params"][index].shape)
     names = group.get("param_names")
     if names and index < len(names):
-        return f"parameter {names[index]!r}"
-    p = group["params"][index]
-    return f"parameter {index} of param group {group_index} (shape {tuple(p.shape)})"
+        name = f"parameter {names[index]!r}"
+        return f"{name} (index {index} in param group {group_index}, shape {shape})" if located else name
+    return f"parameter {index} of param group {group_index} (shape {shape})"
 
 
 # ---------------------------------------------------------------- the core of a group

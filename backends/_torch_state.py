@@ -437,11 +437,7 @@ def _decide(param_groups: list, checks: list) -> set:
             skip.add(id(p))
             continue
         g = local_tensor(p.grad)
-        names = group.get("param_names")
-        if names and i < len(names):
-            label = f"parameter {names[i]!r} (index {i} in param group {gi}, shape {tuple(p.shape)})"
-        else:
-            label = f"parameter {i} of param group {gi} (shape {tuple(p.shape)})"
+        label = param_name(group, i, gi, located=True)
         if bool(torch.isfinite(g).all()):  # the gradient is fine: the parameter itself is damaged
             local = local_tensor(p.detach())
             nan, inf = int(torch.isnan(local).sum()), int(torch.isinf(local).sum())
