@@ -735,21 +735,21 @@ def _apply(p: torch.Tensor, direction: torch.Tensor, lr: Union[float, torch.Tens
     """Line 9 in place by the core's rule, `line_9_factors`: ``p <- (1 - decay) p - rate dW``.
 
     ``decay = lr * weight_decay`` with the group's unadjusted lr, ``rate = step_lr``. ``dW`` stays in the
-    state's precision until this one rounding to ``p``'s dtype (``add_`` with ``alpha``, as ``torch.optim.Muon``,
-    compiled as ``addcmul``, the same fused multiply-add; with a tensor lr, ``sub_`` of ``dW * rate``).
+    state's precision until this one rounding to ``p``'s dtype (``add_`` with ``alpha``, as ``torch.optim.Muon``;
+    compiled, and with a tensor lr, ``addcmul``, the same fused multiply-add).
     """
     decay, rate = _fismo.line_9_factors(lr, weight_decay, step_lr)
     if weight_decay:
         p.mul_(1 - decay)
     dW = direction.reshape(p.shape)
-    if isinstance(rate, torch.Tensor):  # a tensor lr stays on the device: no host read, no recompile when it changes
-        p.sub_(dW * rate.to(dW.dtype))
-    elif torch.compiler.is_compiling():
-        # A float lr that changes between compiled calls (a scheduler's) is made symbolic by dynamo, and inductor
-        # (torch 2.13) then kept a stale value of it as add_'s alpha when the weight decay above used it too:
-        # silently wrong steps, torch.optim.Muon's too (docs/torch.md). As a tensor it is an input of the graph.
-        # Out of place: dynamo rewrites an in-place addcmul_ into two roundings; addcmul is add_'s one fused
-        # multiply-add, so the compiled step keeps the eager bits.
-        p.copy_(torch.addcmul(p, dW, dW.new_ones(()) * rate, value=-1))
+    if isinstance(rate, torch.Tensor) or torch.compiler.is_compiling():
+        # A tensor lr stays on the device: no host read, no recompile when it changes. A float lr that changes
+        # between compiled calls (a scheduler's) is made symbolic by dynamo, and inductor (torch 2.13) then kept a
+        # stale value of it as add_'s alpha when the weight decay above used it too: silently wrong steps,
+        # torch.optim.Muon's too (docs/torch.md); as a tensor it is an input of the graph. addcmul is add_'s one
+        # fused multiply-add, so either gives the float lr's eager bits; out of place, since dynamo rewrites an
+        # in-place addcmul_ into two roundings.
+        rate = rate.to(dW.dtype) if isinstance(rate, torch.Tensor) else dW.new_ones(()) * rate
+        p.copy_(torch.addcmul(p, dW, rate, value=-1))
     else:
         p.add_(dW, alpha=-rate)

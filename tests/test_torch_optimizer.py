@@ -880,6 +880,29 @@ def test_state_dict_round_trip_resumes_bit_identically(block_size):
         assert opt_f.state[fresh[3].weight]["Q_rest"].shape == (4, 4)
 
 
+@pytest.mark.numbers
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, weight_decay, adjust_lr_fn):
+    """A tensor lr (PyTorch's recipe for compiled steps under a scheduler) is not another rounding of line 9.
+
+    Both apply ``p - rate dW`` as one fused multiply-add (``add_`` with ``alpha``; ``addcmul``): equal bit
+    for bit when the tensor holds the float's value (float64). ``sub_(dW * rate)`` rounded twice: 1.1e-16
+    from the float lr's float64 parameters after 5 steps, 1.2e-7 in float32.
+    """
+    def run(lr):
+        gen = torch.Generator().manual_seed(0)
+        W = torch.nn.Parameter(torch.randn(9, 7, generator=gen).to(dtype))
+        opt = FISMO([W], lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn, block_size=4)
+        for _ in range(5):
+            W.grad = torch.randn(9, 7, generator=gen).to(dtype)
+            opt.step()
+        return W.detach()
+
+    assert torch.equal(run(torch.tensor(0.02, dtype=torch.float64)), run(0.02))
+
+
 @pytest.mark.parametrize("block_size", [None, 3], ids=["full", "blocks"])
 @pytest.mark.parametrize("name", ["StepLR", "CosineAnnealingLR", "OneCycleLR"])
 def test_lr_schedulers_drive_the_step(name, block_size):
