@@ -260,6 +260,36 @@ def test_a_scheduler_changing_a_float_lr_recompiles_once_and_keeps_the_eager_num
             assert float((a - b).abs().max() / b.abs().max()) <= 1e-12
 
 
+class _BetaWarmup:
+    """A momentum warmup, as Muon recipes schedule it: ``beta`` from 0.85 up by 0.05 a step to 0.95."""
+
+    def __init__(self, opt: FISMO) -> None:
+        self.opt, self.steps = opt, 0
+
+    def step(self) -> None:
+        self.steps += 1
+        for group in self.opt.param_groups:
+            group["beta"] = min(0.95, 0.85 + 0.05 * self.steps)
+
+
+def test_a_beta_schedule_compiles_a_graph_per_value_and_keeps_the_eager_numbers():
+    """``beta`` (like ``gamma`` and ``mu``) builds the core, from concrete values: a schedule of it compiles a
+    graph at each new value and none once it stays (docs/torch.md, "Other hyperparameters"); past dynamo's
+    recompile limit (8) the step would run eagerly. The numbers are eager's, bit for bit (aot_eager)."""
+
+    def build(m):
+        opt = FISMO(m.parameters(), lr=0.05, beta=0.85, nonfinite="propagate")
+        return opt, _BetaWarmup(opt)
+
+    model = _matrices_only()
+    opt, _, twin, frames = _scheduled_compiled_and_eager(model, build, "aot_eager", steps=4)
+    compiled_at = [now > before for before, now in zip([0] + frames, frames)]
+    assert compiled_at == [True, True, True, False], frames  # betas 0.85, 0.9, 0.95, 0.95
+    assert opt.param_groups[0]["beta"] == pytest.approx(0.95)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_step_counts_are_put_back_on_the_cpu_after_dynamo_moves_them(monkeypatch):
     """Compiled after eager steps (or a resumed checkpoint), dynamo moves every state's ``"step"`` to its
     parameter's device before it runs ``_init_group`` (``OptimizerVariable.move_step_if_cpu``; on a CPU no
