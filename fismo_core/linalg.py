@@ -761,10 +761,10 @@ def inverse_sqrt(
         scaled = A / 2.0**exponent  # the checks hold at any scale
         _check_symmetric(xp, scaled, "inverse_sqrt")
     if method == "eigh":
-        Z, w = _eigh_inverse_sqrt(A)
-        if checked:
+        w, V = xp.linalg.eigh(_exact_dtype(xp, A))
+        if checked:  # before the root: a refused A's negative w would make NaN (and NumPy's warning of it)
             _check_positive_definite(xp, A, w, "inverse_sqrt")
-        return Z
+        return _root_from_eigh(A, w, V)
     if checked:  # one eigvalsh, the cost of the check on the matmul-only path
         _check_positive_definite(xp, A, xp.linalg.eigvalsh(_exact_dtype(xp, scaled)), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
@@ -800,7 +800,13 @@ def _eigh_inverse_sqrt(A: Array) -> tuple[Array, Array]:
     """
     xp = array_namespace(A)
     w, V = xp.linalg.eigh(_exact_dtype(xp, A))
-    return xp.astype((V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V), A.dtype, copy=False), w
+    return _root_from_eigh(A, w, V), w
+
+
+def _root_from_eigh(A: Array, w: Array, V: Array) -> Array:
+    """``V diag(w^{-1/2}) V^T`` in ``A``'s dtype, from ``A``'s eigendecomposition ``(w, V)``."""
+    xp = array_namespace(A)
+    return xp.astype((V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V), A.dtype, copy=False)
 
 
 def inverse_sqrt_steps(coefficients: Coefficients, steps: Optional[int] = None) -> int:

@@ -256,7 +256,7 @@ def test_skip_keeps_a_blocked_matrix_unchanged() -> None:
     assert new.skipped.tolist() == [0, 1]
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("error:invalid value encountered:RuntimeWarning")  # the check flags the NaN root
 def test_a_failing_block_root_falls_back_for_its_matrix_only() -> None:
     """An indefinite block makes its matrix keep P_{t-1} and the cached root; the other matrix steps."""
     opt = FISMO(block_size=3)

@@ -35,6 +35,11 @@ from fismo_core.linalg import (
 )
 from fismo_core.testing import Target, to_numpy
 
+#: A refusal comes with the library's message alone: NumPy's RuntimeWarnings of a NaN, an infinity or an overflow
+#: (inverse_sqrt took the root of a singular A before refusing it, "invalid value encountered in sqrt") are errors.
+pytestmark = [pytest.mark.filterwarnings(f"error:{what}:RuntimeWarning")
+              for what in ("invalid value encountered", "divide by zero encountered", "overflow encountered")]
+
 ROOT = Path(__file__).resolve().parents[1]
 EPS = {"float64": float(np.finfo(np.float64).eps), "float32": float(np.finfo(np.float32).eps)}
 METHODS = {"polar": ("svd", "newton_schulz"), "inverse_sqrt": ("eigh", "newton_schulz")}
