@@ -272,19 +272,22 @@ class _BetaWarmup:
             group["beta"] = min(0.95, 0.85 + 0.05 * self.steps)
 
 
-def test_a_beta_schedule_compiles_a_graph_per_value_and_keeps_the_eager_numbers():
+@pytest.mark.parametrize("recompile_limit, compiled_at", [(8, [True, True, True, False]), (2, [True, True, False, False])],
+                         ids=["default limit", "limit reached"])
+def test_a_beta_schedule_compiles_a_graph_per_value_and_keeps_the_eager_numbers(recompile_limit, compiled_at):
     """``beta`` (like ``gamma`` and ``mu``) builds the core, from concrete values: a schedule of it compiles a
     graph at each new value and none once it stays (docs/torch.md, "Other hyperparameters"); past dynamo's
-    recompile limit (8) the step would run eagerly. The numbers are eager's, bit for bit (aot_eager)."""
+    recompile limit the step runs eagerly (its third value here, under a limit of 2). The numbers are eager's,
+    bit for bit (aot_eager), either way."""
 
     def build(m):
         opt = FISMO(m.parameters(), lr=0.05, beta=0.85, nonfinite="propagate")
         return opt, _BetaWarmup(opt)
 
     model = _matrices_only()
-    opt, _, twin, frames = _scheduled_compiled_and_eager(model, build, "aot_eager", steps=4)
-    compiled_at = [now > before for before, now in zip([0] + frames, frames)]
-    assert compiled_at == [True, True, True, False], frames  # betas 0.85, 0.9, 0.95, 0.95
+    with torch._dynamo.config.patch(recompile_limit=recompile_limit):
+        opt, _, twin, frames = _scheduled_compiled_and_eager(model, build, "aot_eager", steps=4)
+    assert [now > before for before, now in zip([0] + frames, frames)] == compiled_at, frames  # betas .85 .9 .95 .95
     assert opt.param_groups[0]["beta"] == pytest.approx(0.95)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)

@@ -883,7 +883,7 @@ def test_state_dict_round_trip_resumes_bit_identically(block_size):
 @pytest.mark.numbers
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, weight_decay, adjust_lr_fn):
     """A tensor lr (PyTorch's recipe for compiled steps under a scheduler) is not another rounding of line 9.
 
