@@ -124,7 +124,7 @@ def _specialised(value: Any) -> Any:
     """
     if isinstance(value, tuple):
         return tuple(_specialised(v) for v in value)
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, (bool, str, torch.Tensor)):  # a tensor beta: a graph input
         return value
     return guard_scalar(value)
 

@@ -88,7 +88,8 @@ def _python_settings(factory: str, settings: dict[str, Any], *, takes_learning_r
     """Refuse a JAX array among ``factory``'s numeric settings, naming the one way to use ``optax.inject_hyperparams``.
 
     FISMO's settings are Python values, checked once when the transformation is built (a
-    traced value cannot be). ``optax.inject_hyperparams`` passes every numeric argument not in
+    traced value cannot be); ``beta`` alone may be an array (line 7 reads it at every step), so
+    it is not among ``settings``. ``optax.inject_hyperparams`` passes every numeric argument not in
     its ``static_args`` as an array, and calls every callable one as a schedule (hence the
     ``None`` defaults of ``polar``, ``inv_root`` and ``matrix_shape``, which it passes through).
     """
@@ -96,10 +97,11 @@ def _python_settings(factory: str, settings: dict[str, Any], *, takes_learning_r
         if isinstance(value, jax.Array):
             which, names = ("all but the learning rate", "[1:]") if takes_learning_rate else ("all", "")
             raise TypeError(
-                f"{factory}: {name} must be a Python number, got a JAX array: FISMO's settings are checked once, "
-                "when the transformation is built, and cannot be scheduled. optax.inject_hyperparams passes every "
-                f"numeric argument not in static_args as an array; keep {which} static: optax.inject_hyperparams("
-                f"{factory}, static_args=tuple(inspect.signature({factory}).parameters){names})"
+                f"{factory}: {name} must be a Python number, got a JAX array: FISMO's settings other than beta are "
+                "checked once, when the transformation is built, and cannot be scheduled. optax.inject_hyperparams "
+                f"passes every numeric argument not in static_args as an array; keep {which} (or all but it and "
+                f"beta) static: optax.inject_hyperparams({factory}, static_args=tuple(inspect.signature({factory})"
+                f".parameters){names})"
             )
 
 
@@ -413,7 +415,7 @@ def scale_by_fismo(
     >>> bool(jnp.all(jnp.isfinite(directions["w"]))), int(state.states["w"].step)
     (True, 1)
     """
-    _python_settings("scale_by_fismo", {"beta": beta, "gamma": gamma, "mu": mu, "block_size": block_size},
+    _python_settings("scale_by_fismo", {"gamma": gamma, "mu": mu, "block_size": block_size},
                      takes_learning_rate=False)
     matrix_shape = default_matrix_shape if matrix_shape is None else matrix_shape
     # The learning rate is applied by fismo()'s line 9; the core's lr is unused by FISMO.direction.
@@ -429,7 +431,10 @@ def scale_by_fismo(
         block_size=block_size,
     )
 
-    leaf_direction, init_on_mesh, update_on_mesh = _leaf_programs(core, matrix_shape)
+    # An array beta (inject_hyperparams' schedule; a tracer under jit) is not hashable and changes at
+    # every update: its programs are built for this transformation alone.
+    build = _leaf_programs if isinstance(beta, numbers.Number) else _leaf_programs.__wrapped__
+    leaf_direction, init_on_mesh, update_on_mesh = build(core, matrix_shape)
 
     def init_fn(params: Any) -> ScaleByFismoState:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -558,7 +563,8 @@ def fismo(
         As in [`fismo_core.FISMO`][fismo_core.FISMO]; ``polar=None`` and
         ``inv_root=None`` (the defaults) are the core's defaults. Python
         values, checked here: with ``optax.inject_hyperparams`` keep them in
-        ``static_args`` (page "Backends").
+        ``static_args`` (page "Backends"), except ``beta``, which may be
+        injected (a momentum schedule; a 0-d array, as in the core).
     weight_decay:
         Decoupled weight decay of the matrix leaves, by the core's rule
         ([`line_9_factors`][fismo_core.optimizer.line_9_factors]):
@@ -591,8 +597,7 @@ def fismo(
     the whole state (the AdamW leaves' and the schedule's counts too; page
     "Backends", section "Sharding").
     """
-    _python_settings("fismo", {"beta": beta, "gamma": gamma, "mu": mu, "weight_decay": weight_decay,
-                               "block_size": block_size})
+    _python_settings("fismo", {"gamma": gamma, "mu": mu, "weight_decay": weight_decay, "block_size": block_size})
     if isinstance(non_matrix, str):
         if non_matrix == "adamw":
             other = optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
@@ -691,12 +696,13 @@ def fismo_training(
     ``learning_rate`` in ``static_args``,
     ``tuple(inspect.signature(fismo_training).parameters)[1:]`` (FISMO's
     settings are Python values, checked once; without it ``init`` raises a
-    ``TypeError`` saying so); the same holds for `fismo`.
+    ``TypeError`` saying so), or every argument but ``learning_rate`` and
+    ``beta`` to schedule the momentum too; the same holds for `fismo`.
     With ``gamma=1`` and ``nesterov=False`` it is ``optax.contrib.muon(..., nesterov=False)``
     up to rounding. Bad input raises here, before any state exists, naming the argument.
     """
     _python_settings("fismo_training", {
-        "ns_steps": ns_steps, "beta": beta, "eps": eps, "weight_decay": weight_decay, "adam_b1": adam_b1,
+        "ns_steps": ns_steps, "eps": eps, "weight_decay": weight_decay, "adam_b1": adam_b1,
         "adam_b2": adam_b2, "adam_eps_root": adam_eps_root, "adam_weight_decay": adam_weight_decay,
         "consistent_rms": consistent_rms, "gamma": gamma, "mu": mu, "block_size": block_size,
     })

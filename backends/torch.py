@@ -145,7 +145,9 @@ class FISMO(Optimizer):
         given positionally, ``FISMO(params, 0.02)``, as in ``torch.optim``;
         the others are keyword-only. ``lr`` may be
         0 (schedulers reach it), a one-element tensor, or a NumPy scalar (stored
-        as a Python float); ``weight_decay`` is decoupled,
+        as a Python float); ``beta`` may be a 0-d floating tensor, changed in
+        place (``fill_``) for a momentum schedule that ``torch.compile``
+        reads without recompiling; ``weight_decay`` is decoupled,
         ``W <- (1 - lr * weight_decay) W`` with the group's unadjusted lr,
         as ``torch.optim.Muon`` does.
     adjust_lr_fn:
@@ -181,7 +183,7 @@ class FISMO(Optimizer):
         params: Any,
         lr: Union[float, torch.Tensor] = _CORE_DEFAULTS.lr,
         *args: Any,
-        beta: float = _CORE_DEFAULTS.beta,
+        beta: Union[float, torch.Tensor] = _CORE_DEFAULTS.beta,
         gamma: float = _CORE_DEFAULTS.gamma,
         mu: float = _CORE_DEFAULTS.mu,
         polar: Union[PolarConfig, str, dict, None] = None,

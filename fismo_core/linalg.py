@@ -193,6 +193,19 @@ def _is_traced(x: Any) -> bool:
     return jax is not None and isinstance(x, jax.core.Tracer)
 
 
+def _readable(x: Array) -> bool:
+    """Whether ``x``'s value can be read on the host without breaking a trace.
+
+    Not a traced JAX array (`_is_traced`), nor a torch tensor inside
+    ``torch.compile`` (a read there breaks the graph). Neither library is
+    imported for this (``sys.modules``).
+    """
+    if _is_traced(x):
+        return False
+    torch = sys.modules.get("torch")
+    return not (torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling())
+
+
 def _device(x: Array) -> Any:
     """``array_api_compat.device(x)``, and ``None`` for a traced JAX array (jit places it): `_is_traced`."""
     return None if _is_traced(x) else device(x)

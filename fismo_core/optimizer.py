@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, is_array_api_obj
 
 from . import guards, linalg
 from .guards import InverseRootError, InverseRootWarning
@@ -507,6 +507,28 @@ _MU_MAX = 1e30
 ``gamma <= 1 - 1e-12`` (``gamma = 1`` keeps them at ``I`` anyway): no larger value would change the step."""
 
 
+def _check_momentum(beta: Any) -> Any:
+    """``beta`` checked: a number in ``[0, 1]`` (returned as a float), or a 0-d real floating array.
+
+    An array ``beta`` is a value that changes between steps without a new
+    core (a ``beta`` schedule under ``torch.compile`` or ``jax.jit`` traces
+    it as an input instead of a constant). Its value is checked when it can
+    be read without a trace (`linalg._readable`); a traced one is the
+    caller's to check where it is concrete.
+    """
+    if not is_array_api_obj(beta):
+        return _check_real("beta", beta, 0.0, 1.0)
+    xp = array_namespace(beta)
+    if beta.ndim != 0 or not xp.isdtype(beta.dtype, "real floating"):
+        raise ValueError(
+            f"beta must be a number or a 0-d real floating array, got an array of shape {tuple(beta.shape)} "
+            f"and dtype {_dtype_name(beta.dtype)}"
+        )
+    if linalg._readable(beta):
+        _check_real("beta", float(beta), 0.0, 1.0)
+    return beta
+
+
 def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
     try:  # an int beyond float's range (10**400) raises OverflowError in isfinite
         finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
@@ -595,7 +617,13 @@ class FISMO:
     lr:
         Learning rate ``eta`` (> 0). Default 0.02, Muon's reference value.
     beta:
-        Momentum ``beta`` in ``[0, 1]`` (line 7). Default 0.95, as Muon.
+        Momentum ``beta`` in ``[0, 1]`` (line 7). Default 0.95, as Muon. A
+        0-d real floating array (of the parameters' library; torch takes a
+        CPU tensor beside CUDA ones) is taken as it is and read at every step, so
+        that a schedule of ``beta`` is an input to a traced step, not a
+        constant of it (``torch.compile``, ``jax.jit``); line 7 rounds it, and
+        ``1 - beta``, to the state's dtype, as it does a number. Its value is
+        checked unless it is traced.
     gamma:
         Preconditioner EMA ``gamma`` in ``[0, 1]`` (lines 4 and 5). Default
         0.95, the preconditioner EMA of SOAP. ``gamma = 1`` freezes ``P`` and
@@ -701,7 +729,7 @@ class FISMO:
     """
 
     lr: float = 0.02
-    beta: float = 0.95
+    beta: Union[float, Array] = 0.95
     gamma: float = 0.95
     mu: float = 1e-3
     polar: Union[PolarConfig, str, dict] = field(default_factory=PolarConfig)
@@ -715,7 +743,7 @@ class FISMO:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "lr", _check_real("lr", self.lr, 0.0, low_open=True))
-        set_(self, "beta", _check_real("beta", self.beta, 0.0, 1.0))
+        set_(self, "beta", _check_momentum(self.beta))
         set_(self, "gamma", _check_real("gamma", self.gamma, 0.0, 1.0))
         set_(self, "mu", _check_real("mu", self.mu, 0.0))
         if self.mu > _MU_MAX:
@@ -829,13 +857,13 @@ class FISMO:
         `fismo_core.guards.statistics_scale`: lines 4–5 are invariant to the
         scale of ``G``, lines 6–7 multiply it back.
         """
-        beta = self.beta
+        beta, one_minus_beta = _momentum_weights(self.beta, state.M.dtype)
         pre = self._lines_4_5(G, inv_s2, state, left, right, roots)
         G_white = _line_6(pre, left, right, roots.refresh)  # G~_t / scale
         # Line 7: M_t = beta M_{t-1} + (1 - beta) G~_t.
-        M = beta * state.M + (1 - beta) * scale * G_white
+        M = beta * state.M + one_minus_beta * scale * G_white
         # Line 8: dW_t = P_t^{-1/2} Polar(M_t) Q_t^{-1/2} (Nesterov: Polar(beta M_t + (1 - beta) G~_t)).
-        momentum = beta * M + (1 - beta) * scale * G_white if self.nesterov else M
+        momentum = beta * M + one_minus_beta * scale * G_white if self.nesterov else M
         direction = right.right(left.left(pre.P_inv_sqrt, self.polar(momentum)), pre.Q_inv_sqrt)
         return _Lines(pre, G_white, M, direction)
 
@@ -1108,6 +1136,21 @@ class Preconditioners(NamedTuple):
     """Line 4's data factor ``G Q_{t-1}^{-1/2}`` (``None`` when ``gamma = 1``); line 6 reuses it between refreshes."""
     P_inv_sqrt_G: Array
     """Line 5's data factor ``P_t^{-1/2} G``, which is also line 6's left half."""
+
+
+def _momentum_weights(beta: Any, dtype: Any) -> tuple[Any, Any]:
+    """``(beta, 1 - beta)`` for line 7: numbers as they are; an array's rounded to ``dtype`` as a number is.
+
+    A number meets an array as a weak scalar (rounded to the array's dtype);
+    an array ``beta`` of another dtype would promote ``M_t`` instead (NumPy,
+    JAX; torch's 0-d tensors do not promote). ``1 -
+    beta`` is taken in ``beta``'s own precision first, as Python takes it for
+    a number: a float64 ``beta`` gives the float's ``M_t`` bit for bit.
+    """
+    if isinstance(beta, numbers.Number):
+        return beta, 1 - beta
+    xp = array_namespace(beta)
+    return xp.astype(beta, dtype), xp.astype(1 - beta, dtype)
 
 
 def _line_6(pre: Preconditioners, left: Structure, right: Structure, refresh: bool) -> Array:

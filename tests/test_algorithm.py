@@ -536,6 +536,51 @@ def test_gamma_one_is_muon(target: Target, shape, nesterov) -> None:
         _check_close(to_numpy(W), expected[t - 1], TOL_MUON[target.dtype], f"W_{t}")
 
 
+_WARMUP = (0.85, 0.9, 0.95, 0.95)  # a momentum warmup, as Muon recipes schedule beta
+
+
+@pytest.mark.numbers
+@pytest.mark.parametrize("nesterov", [False, True], ids=["ema", "nesterov"])
+def test_a_float64_array_beta_steps_as_the_number_bit_for_bit(target: Target, nesterov) -> None:
+    """Line 7 with ``beta`` a 0-d float64 array (what a traced schedule passes) is line 7 with the number,
+    bit for bit, in float64 and float32 states: both factors are rounded to the state's dtype as a number
+    is (unrounded, the float64 array promoted a float32 ``M_t`` to float64 on NumPy, array-api-strict and
+    JAX). Scale-invariant statistics make ``scale`` an array too."""
+    xp = target.xp
+    W0, grads = _muon_case((6, 4), steps=len(_WARMUP))
+    runs = []
+    for as_array in (False, True):
+        W = target.asarray(W0)
+        state = FISMO(nesterov=nesterov).init(W)
+        for beta, G in zip(_WARMUP, grads):
+            value = xp.asarray(beta, dtype=xp.float64) if as_array else beta
+            W, state = FISMO(beta=value, nesterov=nesterov, statistics="scale_invariant").step(W, target.asarray(G), state)
+        runs.append((to_numpy(W), to_numpy(state.M), W.dtype))
+    (W_number, M_number, dtype_number), (W_array, M_array, dtype_array) = runs
+    assert dtype_array == dtype_number
+    assert np.array_equal(W_array, W_number) and np.array_equal(M_array, M_number)
+
+
+def test_a_traced_beta_schedule_compiles_once_under_jax_jit() -> None:
+    """Under ``jax.jit`` a ``beta`` argument is traced (its value cannot be checked there, nor need be: the
+    caller checks it where it is concrete): one compilation for the whole warmup, and the steps of the
+    number, bit for bit (both compiled)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)  # as fismo_core.testing does for the float64 target
+    W0, grads = _muon_case((6, 4), steps=len(_WARMUP))
+    step = jax.jit(lambda W, G, state, beta: FISMO(beta=beta, nonfinite="propagate").step(W, G, state))
+    W = W_ref = jnp.asarray(W0)
+    # The step count an int32 array from the start (a Python 0 at the first step is another argument kind).
+    state = state_ref = FISMO().init(W)._replace(step=jnp.asarray(0, dtype=jnp.int32))
+    for beta, G in zip(_WARMUP, grads):
+        W, state = step(W, jnp.asarray(G), state, jnp.asarray(beta, dtype=jnp.float64))
+        W_ref, state_ref = jax.jit(FISMO(beta=beta, nonfinite="propagate").step)(W_ref, jnp.asarray(G), state_ref)
+    assert step._cache_size() == 1
+    assert np.array_equal(np.asarray(W), np.asarray(W_ref)) and np.array_equal(np.asarray(state.M), np.asarray(state_ref.M))
+
+
 # torch.optim.Muon (torch/optim/_muon.py) keeps its momentum buffer in the
 # parameter's dtype, buf.lerp_(grad, 1 - momentum), i.e. the EMA
 # M = beta M + (1 - beta) G, and with nesterov=True orthogonalises

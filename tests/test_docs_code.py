@@ -95,6 +95,13 @@ READER_HAS: dict[tuple[str, str], str] = {
         "vectors = [p for p in model.parameters() if p.ndim < 2]\n"
     ),
     ("docs/torch.md", "ddp_model = torch.nn.parallel.DistributedDataParallel(model)"): _ONE_RANK_GLOO,
+    # Traced as written (fullgraph), run by dynamo's eager backend: inductor took a minute of CI's two cores here.
+    ("docs/torch.md", "beta.fill_(min(0.95, 0.85 + 0.1 * t / 300))"): (
+        _TORCH_MODEL + "from fismo_core.backends.torch import FISMO, param_groups\n"
+        "import functools\n"
+        "torch.compile = functools.partial(torch.compile, backend='eager')\n"
+        "tokens, steps = torch.randint(0, 16, (2, 5)), 3\n"
+    ),
     ("docs/torch.md", "dcp.save("): "path = \"checkpoint\"  # in the session's temporary directory\n",
     ("docs/scaling.md", "opt = FISMO(param_groups(model), lr=0.02, block_size=768)"): _TORCH_MODEL,
     ("docs/guarantees.md", 'np.savez("opt.npz"'): (

@@ -241,6 +241,12 @@ HYPERPARAMETER_ERRORS = [
     ({"beta": 1.5}, ValueError, r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
     ({"beta": math.nan}, ValueError, r"beta must be a finite real number"),
     ({"beta": False}, ValueError, r"beta must be a finite real number, got False"),
+    # an array beta: 0-d, real floating, its value in [0, 1] when it can be read
+    ({"beta": np.asarray(1.5)}, ValueError, r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
+    ({"beta": np.asarray(np.nan)}, ValueError, r"beta must be a finite real number, got nan"),
+    ({"beta": np.asarray([0.9])}, ValueError, r"beta must be a number or a 0-d real floating array, got an array of shape \(1,\)"),
+    ({"beta": np.asarray(1)}, ValueError, r"0-d real floating array, got an array of shape \(\) and dtype int64"),
+    ({"beta": np.asarray(0.5j)}, ValueError, r"0-d real floating array, got an array of shape \(\) and dtype complex128"),
     ({"gamma": -1e-9}, ValueError, r"gamma must lie in \[0\.0, 1\.0\]"),
     ({"gamma": 0.0, "mu": 0.0}, ValueError, r"gamma=0 with mu=0 makes P_t and Q_t .* singular"),
     ({"gamma": 1.01}, ValueError, r"gamma must lie in \[0\.0, 1\.0\]"),

@@ -261,15 +261,21 @@ def test_a_scheduler_changing_a_float_lr_recompiles_once_and_keeps_the_eager_num
 
 
 class _BetaWarmup:
-    """A momentum warmup, as Muon recipes schedule it: ``beta`` from 0.85 up by 0.05 a step to 0.95."""
+    """A momentum warmup, as Muon recipes schedule it: ``beta`` from 0.85 up by 0.05 a step to 0.95.
+
+    A tensor ``beta`` is changed in place (``fill_``), as torch's schedulers change a tensor lr."""
 
     def __init__(self, opt: FISMO) -> None:
         self.opt, self.steps = opt, 0
 
     def step(self) -> None:
         self.steps += 1
+        value = min(0.95, 0.85 + 0.05 * self.steps)
         for group in self.opt.param_groups:
-            group["beta"] = min(0.95, 0.85 + 0.05 * self.steps)
+            if isinstance(group["beta"], torch.Tensor):
+                group["beta"].fill_(value)
+            else:
+                group["beta"] = value
 
 
 @pytest.mark.parametrize("recompile_limit, compiled_at", [(8, [True, True, True, False]), (2, [True, True, False, False])],
@@ -289,6 +295,42 @@ def test_a_beta_schedule_compiles_a_graph_per_value_and_keeps_the_eager_numbers(
         opt, _, twin, frames = _scheduled_compiled_and_eager(model, build, "aot_eager", steps=4)
     assert [now > before for before, now in zip([0] + frames, frames)] == compiled_at, frames  # betas .85 .9 .95 .95
     assert opt.param_groups[0]["beta"] == pytest.approx(0.95)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("block_size, nesterov", [(None, False), (8, True)], ids=["full", "blocks, nesterov"])
+def test_a_tensor_beta_schedule_compiles_one_graph_and_gives_the_float_schedules_numbers(block_size, nesterov):
+    """A float64 tensor ``beta`` changed in place is an input of the graph, not a constant: the warmup
+    .85 .9 .95 .95 compiles one graph (``fullgraph``, no recompile), and the parameters are the float
+    schedule's, stepped eagerly, bit for bit (aot_eager; line 7 rounds the tensor as it does the float).
+    With a float schedule the same warmup compiled a graph per value (test above)."""
+
+    def build(m, beta):
+        opt = FISMO(m.parameters(), lr=0.05, beta=beta, nonfinite="propagate", block_size=block_size,
+                    nesterov=nesterov, weight_decay=0.1)
+        return opt, _BetaWarmup(opt)
+
+    model, twin = _matrices_only(), _matrices_only()
+    batches = _batches(model, 4)
+    opt, warmup = build(model, torch.tensor(0.85, dtype=torch.float64))
+    eager_opt, eager_warmup = build(twin, 0.85)
+    backend = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def step():
+        opt.step()
+
+    def eager_step():
+        eager_opt.step()
+        eager_warmup.step()
+
+    frames: list[int] = []
+    _run(model, opt, batches, lambda: (step(), warmup.step()), after=lambda i: frames.append(backend.frame_count))
+    _run(twin, eager_opt, batches, eager_step)
+    # One graph for every value (dynamo restarts its first analysis once, as with a tensor lr: counted twice).
+    assert frames == [2] * len(frames), frames
+    assert float(opt.param_groups[0]["beta"]) == eager_opt.param_groups[0]["beta"] == pytest.approx(0.95)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
 

@@ -903,6 +903,54 @@ def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, w
     assert torch.equal(run(torch.tensor(0.02, dtype=torch.float64)), run(0.02))
 
 
+@pytest.mark.numbers
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy ball", "nesterov"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_float64_tensor_beta_gives_the_float_betas_parameters_bit_for_bit(dtype, nesterov):
+    """A tensor ``beta`` changed in place between steps (a momentum warmup that a compiled step reads as an
+    input) is the float schedule, bit for bit: line 7 rounds it, and ``1 - beta``, to the statistics'
+    dtype as a float is rounded. The statistics are float32 for the half-precision parameters."""
+    warmup = (0.85, 0.9, 0.95, 0.95, 0.95)
+
+    def run(tensor: bool):
+        gen = torch.Generator().manual_seed(0)
+        W = torch.nn.Parameter(torch.randn(9, 7, generator=gen).to(dtype))
+        beta = torch.tensor(warmup[0], dtype=torch.float64) if tensor else warmup[0]
+        opt = FISMO([W], lr=0.02, beta=beta, nesterov=nesterov, block_size=4, statistics="scale_invariant")
+        for value in warmup:
+            if tensor:
+                opt.param_groups[0]["beta"].fill_(value)
+            else:
+                opt.param_groups[0]["beta"] = value
+            W.grad = torch.randn(9, 7, generator=gen).to(dtype)
+            opt.step()
+        return W.detach(), opt.state[W]["M"]
+
+    (W_tensor, M_tensor), (W_float, M_float) = run(True), run(False)
+    assert torch.equal(W_tensor, W_float) and torch.equal(M_tensor, M_float)
+
+
+@pytest.mark.parametrize("beta, message", [
+    (torch.tensor(1.5, dtype=torch.float64), r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
+    (torch.tensor([0.9]), r"beta must be a number or a 0-d real floating array, got an array of shape \(1,\)"),
+    (torch.tensor(1), r"beta must be a number or a 0-d real floating array, got an array of shape \(\) and dtype int64"),
+])
+def test_a_bad_tensor_beta_is_refused_before_anything_changes(beta, message):
+    """A tensor ``beta`` must be 0-d and floating, and its value in [0, 1] is checked where the group gets it:
+    at construction, and when a new tensor is set in the group (at the next step, before anything changes)."""
+    W = torch.nn.Parameter(torch.ones(4, 3))
+    with pytest.raises(ValueError, match=message):
+        FISMO([W], beta=beta)
+    opt = FISMO([W], beta=torch.tensor(0.9, dtype=torch.float64))
+    W.grad = torch.full((4, 3), 0.5)
+    opt.step()
+    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
+    opt.param_groups[0]["beta"] = beta
+    with pytest.raises(ValueError, match=rf"param group 0: {message}"):
+        opt.step()
+    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+
+
 @pytest.mark.parametrize("block_size", [None, 3], ids=["full", "blocks"])
 @pytest.mark.parametrize("name", ["StepLR", "CosineAnnealingLR", "OneCycleLR"])
 def test_lr_schedulers_drive_the_step(name, block_size):

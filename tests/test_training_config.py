@@ -638,7 +638,7 @@ def test_optax_inject_hyperparams_without_static_args_says_how(factory: str) -> 
 
     fn = getattr(adapter, factory)
     takes_lr = factory != "scale_by_fismo"
-    first_numeric = {"fismo": "beta", "fismo_training": "ns_steps", "scale_by_fismo": "beta"}[factory]
+    first_numeric = {"fismo": "gamma", "fismo_training": "ns_steps", "scale_by_fismo": "gamma"}[factory]
     params = {"w": jnp.ones((4, 3))}
     tx = optax.inject_hyperparams(fn)(**({"learning_rate": 0.02} if takes_lr else {}))
     with pytest.raises(TypeError, match=rf"{factory}: {first_numeric} must be a Python number, got a JAX array") as info:
@@ -650,8 +650,49 @@ def test_optax_inject_hyperparams_without_static_args_says_how(factory: str) -> 
     state = tx.init(params)
     updates, _ = jax.jit(tx.update)({"w": jnp.full((4, 3), 0.01)}, state, params)
     assert bool(jnp.any(updates["w"] != 0))
-    with pytest.raises(TypeError, match=rf"{factory}: beta must be a Python number, got a JAX array"):
-        fn(**({"learning_rate": 0.02} if takes_lr else {}), beta=jnp.asarray(0.9))
+    with pytest.raises(TypeError, match=rf"{factory}: gamma must be a Python number, got a JAX array"):
+        fn(**({"learning_rate": 0.02} if takes_lr else {}), gamma=jnp.asarray(0.9))
+
+
+@pytest.mark.parametrize("factory", ["fismo", "fismo_training", "scale_by_fismo"])
+def test_optax_inject_hyperparams_schedules_beta_in_one_compilation(factory: str) -> None:
+    """``beta`` may be injected (a momentum warmup): the core takes it as an array, traced under ``jax.jit``,
+    so the jitted update compiles once for the whole schedule, and the parameters are those of a
+    transformation rebuilt with each float ``beta`` (jitted too), bit for bit in float64. The schedule here
+    holds float64 values; ``optax.linear_schedule`` computes in float32 from the int32 step count, another
+    value than the float."""
+    import inspect
+
+    jax, optax = _optax()
+    import jax.numpy as jnp
+    from fismo_core.backends import optax as adapter
+
+    jax.config.update("jax_enable_x64", True)  # as fismo_core.testing does for the float64 target
+    warmup = (0.85, 0.9, 0.95, 0.95)
+    fn = getattr(adapter, factory)
+    takes_lr = factory != "scale_by_fismo"
+    lr = {"learning_rate": 0.02} if takes_lr else {}
+    static = tuple(n for n in inspect.signature(fn).parameters if n not in ("learning_rate", "beta"))
+    table = jnp.asarray(warmup, dtype=jnp.float64)
+    schedule = lambda count: table[jnp.minimum(count, len(warmup) - 1)]  # noqa: E731
+    tx = optax.inject_hyperparams(fn, static_args=static, hyperparam_dtype=jnp.float64)(**lr, beta=schedule)
+    params = jax.tree.map(lambda p: p.astype(jnp.float64), _optax_params())
+    if not takes_lr:
+        params = {k: v for k, v in params.items() if v.ndim == 2}
+    rng = np.random.default_rng(2)
+    grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape)), params) for _ in warmup]
+    update = jax.jit(tx.update)
+    state, injected = tx.init(params), params
+    reference = fn(**lr, beta=warmup[0])
+    ref_state, rebuilt = reference.init(params), params
+    for beta, g in zip(warmup, grads):
+        updates, state = update(g, state, injected)
+        injected = optax.apply_updates(injected, updates)
+        updates, ref_state = jax.jit(fn(**lr, beta=beta).update)(g, ref_state, rebuilt)
+        rebuilt = optax.apply_updates(rebuilt, updates)
+    assert update._cache_size() == 1
+    for name in params:
+        assert np.array_equal(np.asarray(injected[name]), np.asarray(rebuilt[name])), name
 
 
 def test_optax_training_ns_coeffs_schedule() -> None:
