@@ -358,7 +358,7 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
 
 @foreign_keywords("fismo_core.backends.optax.scale_by_fismo", notes=_OPTAX_MUON_NOTES)
 def scale_by_fismo(
-    beta: float = _DEFAULTS.beta,
+    beta: Union[float, jax.Array] = _DEFAULTS.beta,
     gamma: float = _DEFAULTS.gamma,
     mu: float = _DEFAULTS.mu,
     *,
@@ -534,7 +534,7 @@ class _Labelled:
 @foreign_keywords("fismo_core.backends.optax.fismo", notes=_OPTAX_MUON_NOTES)
 def fismo(
     learning_rate: optax.ScalarOrSchedule,
-    beta: float = _DEFAULTS.beta,
+    beta: Union[float, jax.Array] = _DEFAULTS.beta,
     gamma: float = _DEFAULTS.gamma,
     mu: float = _DEFAULTS.mu,
     *,
@@ -638,7 +638,7 @@ def fismo_training(
     learning_rate: optax.ScalarOrSchedule,
     ns_coeffs: Any = MUON_COEFFICIENTS[0],
     ns_steps: int = 5,
-    beta: float = 0.95,
+    beta: Union[float, jax.Array] = 0.95,
     eps: float = 1e-8,
     weight_decay: float = TRAINING["weight_decay"],
     *,
@@ -765,7 +765,7 @@ def _fismo_transformation(
     matrix_shape: MatrixShape,
     step_scale: Optional[Callable[[int, int], float]],
     *,
-    beta: float,
+    beta: Union[float, jax.Array],
     gamma: float,
     mu: float,
     polar: Union[PolarConfig, str, dict],
