@@ -99,9 +99,9 @@ def _python_settings(factory: str, settings: dict[str, Any], *, takes_learning_r
             raise TypeError(
                 f"{factory}: {name} must be a Python number, got a JAX array: FISMO's settings other than beta are "
                 "checked once, when the transformation is built, and cannot be scheduled. optax.inject_hyperparams "
-                f"passes every numeric argument not in static_args as an array; keep {which} (or all but it and "
-                f"beta) static: optax.inject_hyperparams({factory}, static_args=tuple(inspect.signature({factory})"
-                f".parameters){names})"
+                f"passes every numeric argument not in static_args as an array; keep {which} static (beta may be "
+                f"left out of them, to schedule it): optax.inject_hyperparams({factory}, "
+                f"static_args=tuple(inspect.signature({factory}).parameters){names})"
             )
 
 

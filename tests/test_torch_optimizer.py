@@ -930,6 +930,45 @@ def test_a_float64_tensor_beta_gives_the_float_betas_parameters_bit_for_bit(dtyp
     assert torch.equal(W_tensor, W_float) and torch.equal(M_tensor, M_float)
 
 
+def test_a_tensor_beta_is_shared_by_the_groups_and_resumes_from_a_checkpoint():
+    """What torch.md says of a tensor ``beta``: every FISMO group that sets none shares the constructor's
+    tensor (one ``fill_`` changes them all), and ``load_state_dict`` puts the checkpoint's tensor in the
+    groups (its value and dtype, not the new constructor's), so a resumed warmup equals the uninterrupted one."""
+    warmup = (0.85, 0.9, 0.95, 0.95)
+
+    def build(beta):
+        gen = torch.Generator().manual_seed(0)
+        A, B = (torch.nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64)) for _ in range(2))
+        return [A, B], FISMO([{"params": [A]}, {"params": [B], "block_size": 2}], lr=0.05, beta=beta)
+
+    def train(params, opt, steps):
+        for t in steps:
+            opt.param_groups[0]["beta"].fill_(warmup[t])
+            gen = torch.Generator().manual_seed(t)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            opt.step()
+
+    beta = torch.tensor(warmup[0], dtype=torch.float64)
+    params, opt = build(beta)
+    assert all(group["beta"] is beta for group in opt.param_groups)
+    train(params, opt, range(2))
+    saved = copy.deepcopy({"params": [p.detach() for p in params], "opt": opt.state_dict()})
+    train(params, opt, range(2, 4))
+
+    resumed_params, resumed = build(torch.tensor(0.5))  # float32: another value and dtype
+    with torch.no_grad():
+        for p, value in zip(resumed_params, saved["params"]):
+            p.copy_(value)
+    resumed.load_state_dict(saved["opt"])
+    loaded = resumed.param_groups[0]["beta"]
+    assert loaded.dtype == torch.float64 and float(loaded) == warmup[1]
+    assert resumed.param_groups[1]["beta"] is loaded  # still one tensor for both groups
+    train(resumed_params, resumed, range(2, 4))
+    for a, b in zip(params, resumed_params):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("beta, message", [
     (torch.tensor(1.5, dtype=torch.float64), r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
     (torch.tensor([0.9]), r"beta must be a number or a 0-d real floating array, got an array of shape \(1,\)"),
