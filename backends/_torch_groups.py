@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
+from array_api_compat import is_array_api_obj
 import torch
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule  # what torch.compile(model) returns
 from torch.fx.experimental.symbolic_shapes import guard_scalar
@@ -181,6 +182,11 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         raise ValueError(
             f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {hp['adjust_lr_fn']!r}"
         )
+    if is_array_api_obj(hp["beta"]) and not isinstance(hp["beta"], (numbers.Real, torch.Tensor)):
+        raise TypeError(
+            f"{where}: beta must be a number or a 0-d floating torch tensor, "
+            f"got a {type(hp['beta']).__module__}.{type(hp['beta']).__name__}"
+        )
     try:
         # The core validates beta, gamma, mu, weight_decay, nesterov, polar and inv_root.
         core = _CoreFISMO(
@@ -197,7 +203,10 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         )
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from exc
-    # Plain dicts, so that a state_dict loads with torch.load(weights_only=True).
+    # Python floats (a NumPy scalar as given, np.float64) and plain dicts, so that a state_dict loads with
+    # torch.load(weights_only=True); a tensor beta is kept, the object the caller may change in place.
+    for name in ("beta", "gamma", "mu", "weight_decay"):
+        hp[name] = getattr(core, name)
     hp["polar"] = dataclasses.asdict(core.polar)
     hp["inv_root"] = dataclasses.asdict(core.inv_root)
     if "block_size" in hp:

@@ -514,9 +514,11 @@ def _check_momentum(beta: Any) -> Any:
     core (a ``beta`` schedule under ``torch.compile`` or ``jax.jit`` traces
     it as an input instead of a constant). Its value is checked when it can
     be read without a trace (`linalg._readable`); a traced one is the
-    caller's to check where it is concrete.
+    caller's to check where it is concrete. A NumPy scalar (``np.float64``,
+    which array-api-compat counts as an array) is a number: kept as it is,
+    its dtype would promote a float32 ``M_t`` (NumPy 2's scalars are not weak).
     """
-    if not is_array_api_obj(beta):
+    if isinstance(beta, numbers.Real) or not is_array_api_obj(beta):
         return _check_real("beta", beta, 0.0, 1.0)
     xp = array_namespace(beta)
     if beta.ndim != 0 or not xp.isdtype(beta.dtype, "real floating"):
@@ -909,7 +911,7 @@ class FISMO:
         under ``nonfinite="propagate"``. To read once per step for many calls,
         use [`direction_with_faults`][fismo_core.FISMO.direction_with_faults].
         """
-        xp = _check_call(G, state, self.block_size)
+        xp = _check_call(G, state, self.block_size, self.beta)
         if self.nonfinite == "raise":
             guards.check_finite(xp, G, dtype=state.M.dtype)
         refresh = self._refresh_roots(state, refresh_roots)
@@ -943,7 +945,7 @@ class FISMO:
         graph. ``refresh_roots`` is as in `direction`; pass it explicitly
         when ``state.step`` is not a Python int.
         """
-        xp = _check_call(G, state, self.block_size)
+        xp = _check_call(G, state, self.block_size, self.beta)
         refresh = self._refresh_roots(state, refresh_roots)
         return self._guarded_step(xp, G, state, refresh, repair=False, defer_nonfinite=True).result
 
@@ -968,7 +970,7 @@ class FISMO:
         be read: the answer is `direction`'s under ``jax.jit``, the step whose
         checks step aside (the compiler drops ``result``'s computation).
         """
-        xp = _check_call(G, state, self.block_size)
+        xp = _check_call(G, state, self.block_size, self.beta)
         if not isinstance(result, StepResult):
             raise TypeError(
                 f"result must be the StepResult of FISMO.direction_with_faults, got {type(result).__name__}"
@@ -1086,7 +1088,7 @@ class FISMO:
         if tuple(W.shape) != tuple(G.shape):
             raise ValueError(f"W and G must have the same shape, got W {tuple(W.shape)} and G {tuple(G.shape)}")
         _check_same_namespace_and_device(W, G)
-        _check_call(G, state, self.block_size)
+        _check_call(G, state, self.block_size, self.beta)
         if state.M.dtype != state_dtype(xp, W.dtype):
             raise TypeError(
                 f"state dtype {_dtype_name(state.M.dtype)} does not match W of dtype {_dtype_name(W.dtype)}: "
@@ -1334,13 +1336,24 @@ def state_block_size(m: int, n: int, block_size: Optional[int]) -> int:
     return split.pop() if split else 0
 
 
-def _check_call(G: Array, state: FISMOState, block_size: Optional[int]) -> Any:
-    """The namespace of ``G``; a clear error unless ``state`` is a FISMO state that fits ``G`` and ``block_size``."""
+def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: Any) -> Any:
+    """The namespace of ``G``; a clear error unless ``state`` is a FISMO state that fits ``G``, ``block_size``
+    and an array ``beta`` (`_check_momentum`), which must come from ``G``'s library."""
     guards.check_matrix(G, "G")
     if not isinstance(state, FISMOState):
         raise TypeError(f"state must be a FISMOState from FISMO.init, got {type(state).__name__}")
     arrays = [state.M] + [p for name in _FACTOR_FIELDS for p in _parts(getattr(state, name))]
     xp = _check_same_namespace_and_device(G, *arrays)
+    if not isinstance(beta, float):
+        # One library per call, as for G and the state (the library's own device rules apply: torch takes
+        # a CPU beta beside CUDA states). Mixed, NumPy states with a JAX beta became JAX arrays without a word.
+        try:
+            array_namespace(G, beta)
+        except TypeError:
+            raise TypeError(
+                f"beta is a {_type_name(beta)} but the gradient and the state are {_type_name(G)}: an array "
+                f"beta must come from their library (or pass a number)"
+            ) from None
     *batch, m, n = G.shape
     expected = {"P": m, "Q": n, "P_inv_sqrt": m, "Q_inv_sqrt": n}
     got_M = tuple(state.M.shape)
@@ -1377,6 +1390,10 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int]) -> Any:
                 f"got {tuple(counter.shape)} (was the state built for another parameter?)"
             )
     return xp
+
+
+def _type_name(x: Any) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
 def _parts(factor: Factor) -> tuple[Array, ...]:

@@ -561,6 +561,27 @@ def test_a_float64_array_beta_steps_as_the_number_bit_for_bit(target: Target, ne
     assert np.array_equal(W_array, W_number) and np.array_equal(M_array, M_number)
 
 
+@pytest.mark.numbers
+@pytest.mark.parametrize("scalar", [np.float64, np.float32])
+def test_a_numpy_scalar_beta_is_the_python_float(target: Target, scalar) -> None:
+    """A NumPy scalar ``beta`` (which array-api-compat counts as an array) is taken as ``float(beta)``, bit
+    for bit, and keeps the state's dtype: kept as a NumPy scalar (as between ece7281 and this test), an
+    ``np.float64`` promoted a float32 ``M_t`` to float64 on NumPy (NumPy 2's scalars are not weak)."""
+    W0, grads = _muon_case((6, 4), steps=len(_WARMUP))
+    runs = []
+    for as_scalar in (False, True):
+        W = target.asarray(W0)
+        state = FISMO().init(W)
+        for beta, G in zip(_WARMUP, grads):
+            opt = FISMO(beta=scalar(beta) if as_scalar else float(scalar(beta)))
+            assert type(opt.beta) is float
+            W, state = opt.step(W, target.asarray(G), state)
+        runs.append((to_numpy(W), to_numpy(state.M), W.dtype, state.M.dtype))
+    (W_float, M_float, *dtypes_float), (W_scalar, M_scalar, *dtypes_scalar) = runs
+    assert dtypes_scalar == dtypes_float
+    assert np.array_equal(W_scalar, W_float) and np.array_equal(M_scalar, M_float)
+
+
 def test_a_traced_beta_schedule_compiles_once_under_jax_jit() -> None:
     """Under ``jax.jit`` a ``beta`` argument is traced (its value cannot be checked there, nor need be: the
     caller checks it where it is concrete): one compilation for the whole warmup, and the steps of the

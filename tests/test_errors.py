@@ -178,6 +178,26 @@ def test_two_namespaces_in_one_call() -> None:
     _raises_and_untouched(lambda: opt.direction(torch.asarray(np.array(G)), state), state, TypeError, match)
 
 
+@pytest.mark.parametrize(
+    "states, beta",
+    [("numpy", "torch"), ("torch", "numpy"), ("array_api_strict", "numpy"), ("jax.numpy", "numpy"), ("numpy", "jax.numpy")],
+)
+def test_an_array_beta_of_another_library_is_refused(states: str, beta: str) -> None:
+    """An array ``beta`` comes from the gradient's library, as the state does. Mixed, the step failed inside
+    line 7 with the other library's error (a dtype it cannot read), or, NumPy states with a JAX ``beta``,
+    returned JAX arrays without a word."""
+    xp, xb = pytest.importorskip(states), pytest.importorskip(beta)
+    rng = np.random.default_rng(2)
+    W, G = (xp.asarray(rng.standard_normal(SHAPE)) for _ in range(2))
+    opt = FISMO(beta=xb.asarray(0.9))
+    state = opt.init(W)
+    match = (rf"beta is a {re.escape(type(xb.asarray(0.9)).__module__)}\..* but the gradient and the state are "
+             r".*: an array beta must come from their library")
+    _raises_and_untouched(lambda: opt.step(W, G, state), state, TypeError, match)
+    _raises_and_untouched(lambda: opt.direction(G, state), state, TypeError, match)
+    _raises_and_untouched(lambda: opt.direction_with_faults(G, state), state, TypeError, match)
+
+
 def test_two_devices_in_one_call() -> None:
     xs = pytest.importorskip("array_api_strict")
     cpu, dev1 = xs.Device("CPU_DEVICE"), xs.Device("device1")

@@ -732,6 +732,22 @@ def test_optax_nan_error_names_the_leaf() -> None:
         tx.update(grads, state, params)
 
 
+def test_optax_beta_as_a_numpy_array_is_refused_naming_the_leaf_and_as_a_numpy_scalar_is_the_float() -> None:
+    """An array ``beta`` must be a JAX array (one library per core call): a NumPy one raises at the first
+    update, naming the leaf; a NumPy scalar is a number, the float's updates bit for bit."""
+    _optax()
+    from fismo_core.backends.optax import fismo
+
+    params = {"w": jnp.asarray(np.random.default_rng(3).standard_normal((4, 3)), dtype=jnp.float32)}
+    grads = jax.tree.map(lambda p: p * 0.5 + 1.0, params)
+    tx = fismo(0.02, beta=np.asarray(0.9))
+    with pytest.raises(TypeError, match=r"leaf \['w'\] .*beta is a numpy\.ndarray but the gradient and the state are jax"):
+        tx.update(grads, tx.init(params), params)
+    txs = (fismo(0.02, beta=np.float64(0.9)), fismo(0.02, beta=0.9))
+    updates = [tx.update(grads, tx.init(params), params)[0]["w"] for tx in txs]
+    assert updates[0].dtype == jnp.float32 and np.array_equal(np.asarray(updates[0]), np.asarray(updates[1]))
+
+
 def test_optax_thin_leaf_warns_once_at_init_naming_it() -> None:
     """A ``(1, 2000)`` leaf would keep a 2000 x 2000 ``Q``: one warning from ``init`` naming its path and
     ``block_size``; none with ``block_size``, none for the other leaves."""
