@@ -99,6 +99,10 @@ def core_key(group: dict) -> tuple:
         # A config object, a method name or a partial dict set after construction: completed here,
         # so that a state_dict records every field (a checkpoint then resumes with the same schedule).
         validate_fismo_hparams(group, "a param group")
+    elif not torch.compiler.is_compiling() and not _stored_as_checked(group):
+        # A value set in the group since (a NumPy scalar from a schedule, a NumPy array beta): checked and
+        # stored as at construction, before it is hashed into the key.
+        validate_fismo_hparams(group, "a param group")
     key = (
         group["beta"],
         group["gamma"],
@@ -113,6 +117,13 @@ def core_key(group: dict) -> tuple:
         group.get("block_size", CORE_DEFAULTS.block_size),  # likewise (None: full factors)
     )
     return _specialised(key) if torch.compiler.is_compiling() else key
+
+
+def _stored_as_checked(group: dict) -> bool:
+    """Whether ``beta``, ``gamma``, ``mu`` and ``weight_decay`` are as `validate_fismo_hparams` stores them:
+    Python floats (``beta`` may be a tensor)."""
+    return (all(type(group[name]) is float for name in ("gamma", "mu", "weight_decay"))
+            and (type(group["beta"]) is float or isinstance(group["beta"], torch.Tensor)))
 
 
 def _specialised(value: Any) -> Any:

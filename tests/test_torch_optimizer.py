@@ -117,31 +117,45 @@ def test_a_numpy_learning_rate_is_stored_as_a_python_float(lr):
 @pytest.mark.parametrize("scalar", [np.float32, np.float64])
 @pytest.mark.parametrize("name, value", [("beta", 0.85), ("gamma", 0.9), ("mu", 0.05), ("weight_decay", 0.1)])
 def test_numpy_scalar_settings_are_stored_as_python_floats(name, value, scalar):
-    """FISMO's other numeric settings as NumPy scalars step as the core's checked floats and are stored so:
-    kept as given (until this test), a state_dict did not load with ``torch.load(weights_only=True)``."""
+    """FISMO's other numeric settings as NumPy scalars step as the core's checked floats and are stored so,
+    given to the constructor or set in the group later (a schedule computed with NumPy): kept as given
+    (until this test), a state_dict did not load with ``torch.load(weights_only=True)``."""
     gen = torch.Generator().manual_seed(0)
     W = torch.nn.Parameter(torch.randn(5, 7, generator=gen))
     twin = torch.nn.Parameter(W.detach().clone())
     opt, opt_float = FISMO([W], lr=0.1, **{name: scalar(value)}), FISMO([twin], lr=0.1, **{name: float(scalar(value))})
     assert type(opt.param_groups[0][name]) is float
-    for _ in range(2):
+    for step in range(3):
+        if step == 2:  # set later: another value, as a schedule does
+            opt.param_groups[0][name], opt_float.param_groups[0][name] = scalar(value / 2), float(scalar(value / 2))
         W.grad = torch.randn(5, 7, generator=gen)
         twin.grad = W.grad.clone()
         opt.step()
         opt_float.step()
+    assert type(opt.param_groups[0][name]) is float
     assert torch.equal(W, twin) and opt.state[W]["M"].dtype == torch.float32
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)
-    assert torch.load(buffer, weights_only=True)["param_groups"][0][name] == float(scalar(value))
+    assert torch.load(buffer, weights_only=True)["param_groups"][0][name] == float(scalar(value / 2))
 
 
-def test_an_array_beta_of_another_library_is_refused_at_construction():
+def test_an_array_beta_of_another_library_is_refused():
     """A tensor ``beta`` is a graph input under ``torch.compile``; a NumPy array is not, and failed at the
-    first step with ``unhashable type: 'numpy.ndarray'``."""
+    first step with ``unhashable type: 'numpy.ndarray'``. Refused at construction, and set in a group
+    later, at the next step before anything changes."""
     W = torch.nn.Parameter(torch.ones(3, 4))
-    with pytest.raises(TypeError, match=r"beta must be a number or a 0-d floating torch tensor, got a numpy\.ndarray"):
+    message = r"beta must be a number or a 0-d floating torch tensor, got a numpy\.ndarray"
+    with pytest.raises(TypeError, match=message):
         FISMO([W], lr=0.1, beta=np.asarray(0.9))
+    opt = FISMO([W], lr=0.1)
+    W.grad = torch.full((3, 4), 0.5)
+    opt.step()
+    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
+    opt.param_groups[0]["beta"] = np.asarray(0.9)
+    with pytest.raises(TypeError, match=rf"param group: {message}"):
+        opt.step()
+    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
 
 
 @pytest.mark.parametrize("algorithm", ["fismo", "adamw"])
