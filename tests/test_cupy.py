@@ -222,6 +222,20 @@ def test_cupy_mixing_devices_is_an_error(cupy_target) -> None:
         FISMO().step(W, G, FISMO().init(W))
 
 
+def test_cupy_takes_a_cupy_beta_and_refuses_a_numpy_one(cupy_target) -> None:
+    """An array ``beta`` comes from the gradient's library: a CuPy one steps as the number (line 7 rounds
+    both to the state's dtype), a NumPy one is refused before it meets CuPy's own mixing error."""
+    import cupy
+
+    rng = np.random.default_rng(4)
+    W, G = (cupy.asarray(rng.standard_normal((4, 6)), dtype=cupy_target.dtype) for _ in range(2))
+    state = FISMO().init(W)
+    steps = [FISMO(beta=beta).step(W, G, state)[0] for beta in (0.9, cupy.asarray(0.9))]
+    assert cupy.array_equal(steps[0], steps[1])
+    with pytest.raises(TypeError, match=r"beta is a numpy\.ndarray but the gradient and the state are cupy"):
+        FISMO(beta=np.asarray(0.9)).step(W, G, state)
+
+
 # ------------------------------------------------ the registry (no GPU needed)
 def test_cupy_targets_are_registered_with_reasons() -> None:
     """Both CuPy targets are in the registry (so the GPU tests are collected); a missing one says why."""
