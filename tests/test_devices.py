@@ -267,6 +267,29 @@ def test_torch_cuda_matmul_only_step_does_not_sync(target, monkeypatch: pytest.M
     assert all(getattr(state, f).device == W.device for f in STATE_FIELDS)
 
 
+@pytest.mark.parametrize("target", _target_params([t for t in targets() if t.backend == "torch" and t.device == "cuda"]))
+def test_a_cpu_tensor_beta_steps_cuda_parameters_as_the_float(target) -> None:
+    """The torch optimizer with a 0-d float64 CPU tensor ``beta`` (the form a schedule changes in place)
+    on CUDA parameters: torch lets a CPU 0-d tensor meet CUDA tensors, and line 7 rounds it to the
+    statistics' dtype as a float, so the parameters equal the float ``beta``'s bit for bit."""
+    import torch
+
+    from fismo_core.backends.torch import FISMO as TorchFISMO
+
+    shape = SHAPE[1:]  # one matrix, as a layer's weight
+    W0 = target.asarray(np.random.default_rng(40).standard_normal(shape))
+    grads = [target.asarray(g) for g in reference_gradients(shape, 3, seed=41)]
+    runs = []
+    for beta in (0.9, torch.tensor(0.9, dtype=torch.float64)):
+        W = torch.nn.Parameter(W0.clone())
+        opt = TorchFISMO([W], lr=0.05, beta=beta)
+        for G in grads:
+            W.grad = G.clone()
+            opt.step()
+        runs.append(W.detach())
+    assert runs[1].device.type == "cuda" and torch.equal(runs[0], runs[1])
+
+
 def test_torch_core_follows_autograd() -> None:
     """What backends.md says of the core and autograd: a ``W`` that requires grad links each step's graph
     to the next (the loss of the third step reaches the first ``W``), and under ``torch.no_grad()`` no
