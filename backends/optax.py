@@ -57,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"fismo_core.backends.optax needs JAX and optax: pip install jax optax ({exc})") from exc
 
 import numpy as np
+from array_api_compat import is_array_api_obj
 from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -84,8 +85,9 @@ The leading axis is the output axis (Muon's conv rule), as in the torch adapter.
 _DEFAULTS = FISMO()
 
 
-def _python_settings(factory: str, settings: dict[str, Any], *, takes_learning_rate: bool = True) -> None:
-    """Refuse a JAX array among ``factory``'s numeric settings, naming the one way to use ``optax.inject_hyperparams``.
+def _python_settings(factory: str, settings: dict[str, Any], beta: Any, *, takes_learning_rate: bool = True) -> None:
+    """Refuse a JAX array among ``factory``'s numeric settings, naming the one way to use ``optax.inject_hyperparams``,
+    and a ``beta`` that is an array of another library (the core would refuse it at the first update).
 
     FISMO's settings are Python values, checked once when the transformation is built (a
     traced value cannot be); ``beta`` alone may be an array (line 7 reads it at every step), so
@@ -93,6 +95,10 @@ def _python_settings(factory: str, settings: dict[str, Any], *, takes_learning_r
     its ``static_args`` as an array, and calls every callable one as a schedule (hence the
     ``None`` defaults of ``polar``, ``inv_root`` and ``matrix_shape``, which it passes through).
     """
+    if not isinstance(beta, (numbers.Real, jax.Array)) and is_array_api_obj(beta):
+        raise TypeError(
+            f"{factory}: beta must be a number or a 0-d JAX array, got a {type(beta).__module__}.{type(beta).__name__}"
+        )
     for name, value in settings.items():
         if isinstance(value, jax.Array):
             which, names = ("all but the learning rate", "[1:]") if takes_learning_rate else ("all", "")
@@ -415,7 +421,7 @@ def scale_by_fismo(
     >>> bool(jnp.all(jnp.isfinite(directions["w"]))), int(state.states["w"].step)
     (True, 1)
     """
-    _python_settings("scale_by_fismo", {"gamma": gamma, "mu": mu, "block_size": block_size},
+    _python_settings("scale_by_fismo", {"gamma": gamma, "mu": mu, "block_size": block_size}, beta,
                      takes_learning_rate=False)
     matrix_shape = default_matrix_shape if matrix_shape is None else matrix_shape
     # The learning rate is applied by fismo()'s line 9; the core's lr is unused by FISMO.direction.
@@ -564,7 +570,7 @@ def fismo(
         ``inv_root=None`` (the defaults) are the core's defaults. Python
         values, checked here: with ``optax.inject_hyperparams`` keep them in
         ``static_args`` (page "Backends"), except ``beta``, which may be
-        injected (a momentum schedule; a 0-d array, as in the core).
+        injected (a momentum schedule; a 0-d JAX array, as in the core).
     weight_decay:
         Decoupled weight decay of the matrix leaves, by the core's rule
         ([`line_9_factors`][fismo_core.optimizer.line_9_factors]):
@@ -597,7 +603,8 @@ def fismo(
     the whole state (the AdamW leaves' and the schedule's counts too; page
     "Backends", section "Sharding").
     """
-    _python_settings("fismo", {"gamma": gamma, "mu": mu, "weight_decay": weight_decay, "block_size": block_size})
+    _python_settings("fismo", {"gamma": gamma, "mu": mu, "weight_decay": weight_decay, "block_size": block_size},
+                     beta)
     if isinstance(non_matrix, str):
         if non_matrix == "adamw":
             other = optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
@@ -705,7 +712,7 @@ def fismo_training(
         "ns_steps": ns_steps, "eps": eps, "weight_decay": weight_decay, "adam_b1": adam_b1,
         "adam_b2": adam_b2, "adam_eps_root": adam_eps_root, "adam_weight_decay": adam_weight_decay,
         "consistent_rms": consistent_rms, "gamma": gamma, "mu": mu, "block_size": block_size,
-    })
+    }, beta)
     given = {"gamma": gamma, "mu": mu, "polar": polar, "inv_root": inv_root, "statistics": statistics,
              "block_size": block_size}
     fismo_options = {k: v for k, v in given.items() if v is not _PRESET}

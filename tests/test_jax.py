@@ -732,18 +732,22 @@ def test_optax_nan_error_names_the_leaf() -> None:
         tx.update(grads, state, params)
 
 
-def test_optax_beta_as_a_numpy_array_is_refused_naming_the_leaf_and_as_a_numpy_scalar_is_the_float() -> None:
-    """An array ``beta`` must be a JAX array (one library per core call): a NumPy one raises at the first
-    update, naming the leaf; a NumPy scalar is a number, the float's updates bit for bit."""
+@pytest.mark.parametrize("factory", ["fismo", "fismo_training", "scale_by_fismo"])
+def test_optax_beta_as_a_numpy_array_is_refused_when_built_and_as_a_numpy_scalar_is_the_float(factory: str) -> None:
+    """An array ``beta`` must be a JAX array (one library per core call): a NumPy or torch one is refused
+    when the transformation is built (the core refused it only at the first update); a NumPy scalar is a
+    number, the float's updates bit for bit."""
     _optax()
-    from fismo_core.backends.optax import fismo
+    from fismo_core.backends import optax as fismo_optax
 
+    make = getattr(fismo_optax, factory)
+    build = (lambda beta: make(beta=beta)) if factory == "scale_by_fismo" else (lambda beta: make(0.02, beta=beta))
+    for beta, kind in ((np.asarray(0.9), r"numpy\.ndarray"), (pytest.importorskip("torch").tensor(0.9), r"torch\.Tensor")):
+        with pytest.raises(TypeError, match=rf"^{factory}: beta must be a number or a 0-d JAX array, got a {kind}$"):
+            build(beta)
     params = {"w": jnp.asarray(np.random.default_rng(3).standard_normal((4, 3)), dtype=jnp.float32)}
     grads = jax.tree.map(lambda p: p * 0.5 + 1.0, params)
-    tx = fismo(0.02, beta=np.asarray(0.9))
-    with pytest.raises(TypeError, match=r"leaf \['w'\] .*beta is a numpy\.ndarray but the gradient and the state are jax"):
-        tx.update(grads, tx.init(params), params)
-    txs = (fismo(0.02, beta=np.float64(0.9)), fismo(0.02, beta=0.9))
+    txs = (build(np.float64(0.9)), build(0.9))
     updates = [tx.update(grads, tx.init(params), params)[0]["w"] for tx in txs]
     assert updates[0].dtype == jnp.float32 and np.array_equal(np.asarray(updates[0]), np.asarray(updates[1]))
 
