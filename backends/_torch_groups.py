@@ -31,7 +31,7 @@ from torch.optim.adamw import adamw as _adamw
 from fismo_core.guards import MUON_KEYWORDS, MUON_POLAR_KEYWORDS, foreign_keyword_error
 from fismo_core import guards as _guards  # the rules every adapter shares, looked up at each call
 from fismo_core.optimizer import FISMO as _CoreFISMO
-from fismo_core.optimizer import InverseRootConfig, PolarConfig, matrix_shape
+from fismo_core.optimizer import InverseRootConfig, PolarConfig, _type_name, matrix_shape
 
 from ._torch_distributed import is_dtensor, validate_dtensor
 
@@ -195,8 +195,7 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         )
     if is_array_api_obj(hp["beta"]) and not isinstance(hp["beta"], (numbers.Real, torch.Tensor)):
         raise TypeError(
-            f"{where}: beta must be a number or a 0-d floating torch tensor, "
-            f"got a {type(hp['beta']).__module__}.{type(hp['beta']).__name__}"
+            f"{where}: beta must be a number or a 0-d floating torch tensor, got a {_type_name(hp['beta'])}"
         )
     try:
         # The core validates beta, gamma, mu, weight_decay, nesterov, polar and inv_root.

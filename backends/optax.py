@@ -97,7 +97,7 @@ def _python_settings(factory: str, settings: dict[str, Any], beta: Any, *, takes
     """
     if not isinstance(beta, (numbers.Real, jax.Array)) and is_array_api_obj(beta):
         raise TypeError(
-            f"{factory}: beta must be a number or a 0-d JAX array, got a {type(beta).__module__}.{type(beta).__name__}"
+            f"{factory}: beta must be a number or a 0-d JAX array, got a {_fismo._type_name(beta)}"
         )
     for name, value in settings.items():
         if isinstance(value, jax.Array):

@@ -1393,6 +1393,7 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
 
 
 def _type_name(x: Any) -> str:
+    """``x``'s type as ``module.name`` (``numpy.ndarray``), for errors about another library's objects."""
     return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
