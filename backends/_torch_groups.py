@@ -121,9 +121,11 @@ def core_key(group: dict) -> tuple:
 
 def _stored_as_checked(group: dict) -> bool:
     """Whether ``beta``, ``gamma``, ``mu`` and ``weight_decay`` are as `validate_fismo_hparams` stores them:
-    Python floats (``beta`` may be a tensor)."""
+    Python floats (``beta`` may be a tensor), and ``weight_decay`` in the core's range (the others are in
+    the core key, whose new values make a checked core; line 9 is the adapter's)."""
     return (all(type(group[name]) is float for name in ("gamma", "mu", "weight_decay"))
-            and (type(group["beta"]) is float or isinstance(group["beta"], torch.Tensor)))
+            and (type(group["beta"]) is float or isinstance(group["beta"], torch.Tensor))
+            and 0.0 <= group["weight_decay"] < math.inf)
 
 
 def _specialised(value: Any) -> Any:

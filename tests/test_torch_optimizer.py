@@ -1034,6 +1034,25 @@ def test_a_bad_tensor_beta_is_refused_before_anything_changes(beta, message):
     assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
 
 
+@pytest.mark.parametrize("weight_decay, message", [
+    (-1.0, r"weight_decay must lie in \[0\.0, inf\), got -1\.0"),
+    (math.nan, r"weight_decay must be a finite real number, got nan"),
+])
+def test_a_bad_weight_decay_set_later_is_refused_before_anything_changes(weight_decay, message):
+    """``weight_decay`` is line 9's, not in the core's key, so a value set in the group after construction
+    was used unchecked (-1.0 grew the weights). Refused at the next step, before anything changes, in
+    the words of the constructor's check."""
+    W = torch.nn.Parameter(torch.ones(4, 3))
+    opt = FISMO([W], lr=0.1)
+    W.grad = torch.full((4, 3), 0.5)
+    opt.step()
+    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
+    opt.param_groups[0]["weight_decay"] = weight_decay
+    with pytest.raises(ValueError, match=rf"param group: {message}"):
+        opt.step()
+    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+
+
 @pytest.mark.parametrize("block_size", [None, 3], ids=["full", "blocks"])
 @pytest.mark.parametrize("name", ["StepLR", "CosineAnnealingLR", "OneCycleLR"])
 def test_lr_schedulers_drive_the_step(name, block_size):
