@@ -13,6 +13,7 @@ import io
 import math
 import re
 import warnings
+from typing import Any
 
 import pytest
 
@@ -144,18 +145,10 @@ def test_an_array_beta_of_another_library_is_refused():
     """A tensor ``beta`` is a graph input under ``torch.compile``; a NumPy array is not, and failed at the
     first step with ``unhashable type: 'numpy.ndarray'``. Refused at construction, and set in a group
     later, at the next step before anything changes."""
-    W = torch.nn.Parameter(torch.ones(3, 4))
     message = r"beta must be a number or a 0-d floating torch tensor, got a numpy\.ndarray"
     with pytest.raises(TypeError, match=message):
-        FISMO([W], lr=0.1, beta=np.asarray(0.9))
-    opt = FISMO([W], lr=0.1)
-    W.grad = torch.full((3, 4), 0.5)
-    opt.step()
-    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
-    opt.param_groups[0]["beta"] = np.asarray(0.9)
-    with pytest.raises(TypeError, match=rf"param group: {message}"):
-        opt.step()
-    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+        FISMO([torch.nn.Parameter(torch.ones(3, 4))], lr=0.1, beta=np.asarray(0.9))
+    _refused_at_the_next_step("beta", np.asarray(0.9), TypeError, rf"param group: {message}", lr=0.1)
 
 
 @pytest.mark.parametrize("algorithm", ["fismo", "adamw"])
@@ -1013,6 +1006,20 @@ def test_a_tensor_beta_is_shared_by_the_groups_and_resumes_from_a_checkpoint():
         assert torch.equal(a, b)
 
 
+def _refused_at_the_next_step(setting: str, value: Any, error: type, message: str, **options: Any) -> None:
+    """One step of a 4x3 parameter; then ``value`` set as the group's ``setting`` makes the next step raise
+    ``error`` (matching ``message``) with the parameter and its state unchanged."""
+    W = torch.nn.Parameter(torch.ones(4, 3))
+    opt = FISMO([W], **options)
+    W.grad = torch.full((4, 3), 0.5)
+    opt.step()
+    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
+    opt.param_groups[0][setting] = value
+    with pytest.raises(error, match=message):
+        opt.step()
+    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+
+
 @pytest.mark.parametrize("beta, message", [
     (torch.tensor(1.5, dtype=torch.float64), r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
     (torch.tensor([0.9]), r"beta must be a number or a 0-d real floating array, got an array of shape \(1,\)"),
@@ -1021,17 +1028,10 @@ def test_a_tensor_beta_is_shared_by_the_groups_and_resumes_from_a_checkpoint():
 def test_a_bad_tensor_beta_is_refused_before_anything_changes(beta, message):
     """A tensor ``beta`` must be 0-d and floating, and its value in [0, 1] is checked where the group gets it:
     at construction, and when a new tensor is set in the group (at the next step, before anything changes)."""
-    W = torch.nn.Parameter(torch.ones(4, 3))
     with pytest.raises(ValueError, match=message):
-        FISMO([W], beta=beta)
-    opt = FISMO([W], beta=torch.tensor(0.9, dtype=torch.float64))
-    W.grad = torch.full((4, 3), 0.5)
-    opt.step()
-    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
-    opt.param_groups[0]["beta"] = beta
-    with pytest.raises(ValueError, match=rf"param group 0: {message}"):
-        opt.step()
-    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+        FISMO([torch.nn.Parameter(torch.ones(4, 3))], beta=beta)
+    _refused_at_the_next_step("beta", beta, ValueError, rf"param group 0: {message}",
+                              beta=torch.tensor(0.9, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("weight_decay, message", [
@@ -1042,15 +1042,7 @@ def test_a_bad_weight_decay_set_later_is_refused_before_anything_changes(weight_
     """``weight_decay`` is line 9's, not in the core's key, so a value set in the group after construction
     was used unchecked (-1.0 grew the weights). Refused at the next step, before anything changes, in
     the words of the constructor's check."""
-    W = torch.nn.Parameter(torch.ones(4, 3))
-    opt = FISMO([W], lr=0.1)
-    W.grad = torch.full((4, 3), 0.5)
-    opt.step()
-    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
-    opt.param_groups[0]["weight_decay"] = weight_decay
-    with pytest.raises(ValueError, match=rf"param group: {message}"):
-        opt.step()
-    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+    _refused_at_the_next_step("weight_decay", weight_decay, ValueError, rf"param group: {message}", lr=0.1)
 
 
 @pytest.mark.parametrize("block_size", [None, 3], ids=["full", "blocks"])
