@@ -22,7 +22,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
-from array_api_compat import is_array_api_obj
 import torch
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule  # what torch.compile(model) returns
 from torch.fx.experimental.symbolic_shapes import guard_scalar
@@ -31,7 +30,7 @@ from torch.optim.adamw import adamw as _adamw
 from fismo_core.guards import MUON_KEYWORDS, MUON_POLAR_KEYWORDS, foreign_keyword_error
 from fismo_core import guards as _guards  # the rules every adapter shares, looked up at each call
 from fismo_core.optimizer import FISMO as _CoreFISMO
-from fismo_core.optimizer import InverseRootConfig, PolarConfig, _type_name, matrix_shape
+from fismo_core.optimizer import InverseRootConfig, PolarConfig, matrix_shape
 
 from ._torch_distributed import is_dtensor, validate_dtensor
 
@@ -195,10 +194,7 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         raise ValueError(
             f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {hp['adjust_lr_fn']!r}"
         )
-    if is_array_api_obj(hp["beta"]) and not isinstance(hp["beta"], (numbers.Real, torch.Tensor)):
-        raise TypeError(
-            f"{where}: beta must be a number or a 0-d floating torch tensor, got a {_type_name(hp['beta'])}"
-        )
+    _guards.check_beta_library(hp["beta"], torch.Tensor, where, "a 0-d floating torch tensor")
     try:
         # The core validates beta, gamma, mu, weight_decay, nesterov, polar and inv_root.
         core = _CoreFISMO(

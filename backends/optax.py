@@ -57,12 +57,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"fismo_core.backends.optax needs JAX and optax: pip install jax optax ({exc})") from exc
 
 import numpy as np
-from array_api_compat import is_array_api_obj
 from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
-from fismo_core.guards import check_matrix, foreign_keywords
+from fismo_core.guards import check_beta_library, check_matrix, foreign_keywords
 from fismo_core.kronecker import Blocks
 from fismo_core import linalg
 from fismo_core.linalg import MUON_COEFFICIENTS
@@ -95,10 +94,7 @@ def _python_settings(factory: str, settings: dict[str, Any], beta: Any, *, takes
     its ``static_args`` as an array, and calls every callable one as a schedule (hence the
     ``None`` defaults of ``polar``, ``inv_root`` and ``matrix_shape``, which it passes through).
     """
-    if not isinstance(beta, (numbers.Real, jax.Array)) and is_array_api_obj(beta):
-        raise TypeError(
-            f"{factory}: beta must be a number or a 0-d JAX array, got a {_fismo._type_name(beta)}"
-        )
+    check_beta_library(beta, jax.Array, factory, "a 0-d JAX array")
     for name, value in settings.items():
         if isinstance(value, jax.Array):
             which, names = ("all but the learning rate", "[1:]") if takes_learning_rate else ("all", "")

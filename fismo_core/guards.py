@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, TypeVar
 
-from array_api_compat import array_namespace, is_array_api_strict_namespace, is_numpy_namespace
+from array_api_compat import array_namespace, is_array_api_obj, is_array_api_strict_namespace, is_numpy_namespace
 
 from . import linalg
 from .kronecker import BlockDiagonalFactor, Structure, factor_structure, state_size
@@ -62,6 +62,18 @@ def check_matrix(X: Array, name: str) -> Any:
     if not xp.isdtype(X.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype, got {X.dtype}")
     return xp
+
+
+def type_name(x: Any) -> str:
+    """``x``'s type as ``module.name`` (``numpy.ndarray``), for errors about another library's objects."""
+    return f"{type(x).__module__}.{type(x).__qualname__}"
+
+
+def check_beta_library(beta: Any, array_type: type, where: str, wanted: str) -> None:
+    """An adapter's refusal of an array ``beta`` not of its library (``array_type``), where its settings
+    are taken: the core can refuse it only at the first call, when it meets the gradient."""
+    if not isinstance(beta, (numbers.Real, array_type)) and is_array_api_obj(beta):
+        raise TypeError(f"{where}: beta must be a number or {wanted}, got a {type_name(beta)}")
 
 
 NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip", "propagate")

@@ -1351,8 +1351,8 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
             array_namespace(G, beta)
         except TypeError:
             raise TypeError(
-                f"beta is a {_type_name(beta)} but the gradient and the state are {_type_name(G)}: an array "
-                f"beta must come from their library (or pass a number)"
+                f"beta is a {guards.type_name(beta)} but the gradient and the state are {guards.type_name(G)}: "
+                f"an array beta must come from their library (or pass a number)"
             ) from None
     *batch, m, n = G.shape
     expected = {"P": m, "Q": n, "P_inv_sqrt": m, "Q_inv_sqrt": n}
@@ -1390,11 +1390,6 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
                 f"got {tuple(counter.shape)} (was the state built for another parameter?)"
             )
     return xp
-
-
-def _type_name(x: Any) -> str:
-    """``x``'s type as ``module.name`` (``numpy.ndarray``), for errors about another library's objects."""
-    return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
 def _parts(factor: Factor) -> tuple[Array, ...]:
