@@ -98,9 +98,11 @@ def core_key(group: dict) -> tuple:
         # A config object, a method name or a partial dict set after construction: completed here,
         # so that a state_dict records every field (a checkpoint then resumes with the same schedule).
         validate_fismo_hparams(group, "a param group")
-    elif not torch.compiler.is_compiling() and not _stored_as_checked(group):
-        # A value set in the group since (a NumPy scalar from a schedule, a NumPy array beta): checked and
-        # stored as at construction, before it is hashed into the key.
+    elif not _stored_as_checked(group):
+        # A value set in the group since (a NumPy scalar from a schedule, a NumPy array beta, a negative
+        # weight_decay): checked and stored as at construction, before it is hashed into the key. Compiled,
+        # the check runs while dynamo traces (its eager run of _init_group), and its comparisons guard a
+        # symbolic weight_decay, so a value out of range retraces the step and is refused there.
         validate_fismo_hparams(group, "a param group")
     key = (
         group["beta"],

@@ -526,14 +526,9 @@ class FISMO(Optimizer):
             # float fields dynamo reads symbolically under dynamic=True, and the core's checks of them
             # (math.isfinite) break the one graph. Not with host reads: their graph breaks would hand a
             # new core to the next frame at every step, and its guards would recompile it.
-            return make_core(key)
+            return self._make_core(group, key)
         if key not in cores:
-            # A value set in the group after construction (a schedule of beta, a typo) is checked here,
-            # where its core is made.
-            try:
-                core = make_core(key)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"param group {self._group_index(group)}: {exc}") from exc
+            core = self._make_core(group, key)
             if len(cores) >= _MAX_CORES:  # a schedule of beta, gamma or mu makes one core per value
                 cores.pop(next(iter(cores)))
             cores[key] = core
@@ -546,6 +541,14 @@ class FISMO(Optimizer):
                 self._check_states_fit(group, cores[key])
                 checked[index] = block_size
         return cores[key]
+
+    def _make_core(self, group: dict, key: tuple) -> _CoreFISMO:
+        """`make_core`, its errors naming the group: a value set in it after construction (a schedule of
+        beta, a typo) is checked here, where its core is made."""
+        try:
+            return make_core(key)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"param group {self._group_index(group)}: {exc}") from exc
 
     def _group_index(self, group: dict) -> int:
         """The position of ``group`` in ``param_groups``."""

@@ -335,6 +335,59 @@ def test_a_tensor_beta_schedule_compiles_one_graph_and_gives_the_float_schedules
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise"])
+@pytest.mark.parametrize("setting, schedule, bad, message", [
+    ("weight_decay", (0.1, 0.2), -1.0, r"weight_decay must lie in \[0\.0, inf\), got -1\.0"),
+    ("weight_decay", (0.1, 0.2), float("nan"), "weight_decay must be a finite real number, got nan"),
+    ("beta", (0.9, 0.95), 1.5, r"param group 0: beta must lie in \[0\.0, 1\.0\], got 1\.5"),
+    ("gamma", (0.9, 0.95), 2.0, r"param group 0: gamma must lie in \[0\.0, 1\.0\], got 2\.0"),
+], ids=["negative weight_decay", "NaN weight_decay", "beta", "gamma"])
+def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_changes(nonfinite, setting, schedule,
+                                                                                   bad, message):
+    """As eagerly (docs/torch.md, "values written into param_groups"), a value set in a group between compiled
+    steps is checked at the next step: it fails the step's guards (a constant's value, or the range of a
+    ``weight_decay`` that dynamo made symbolic once a schedule changed it), and the new trace refuses it, with
+    the parameter and its state unchanged. torch reports it as its ``InternalTorchDynamoError`` with the
+    message. Before 2026-11-29 a ``weight_decay`` of -1.0 or NaN between compiled steps was used as it was."""
+    W = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
+    opt = FISMO([W], lr=0.1, weight_decay=0.1, nonfinite=nonfinite)
+    step = torch.compile(opt.step, backend="aot_eager", fullgraph=nonfinite == "propagate")
+    for value in schedule:  # the second value makes a float symbolic (dynamo's "automatic dynamic")
+        opt.param_groups[0][setting] = value
+        W.grad = torch.full((4, 3), 0.5, dtype=torch.float64)
+        step()
+    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
+    opt.param_groups[0][setting] = bad
+    with pytest.raises((ValueError, torch._dynamo.exc.InternalTorchDynamoError), match=message):
+        step()
+    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+
+
+@pytest.mark.parametrize("setting, values", [("weight_decay", (0.1, 0.1, 0.2)), ("gamma", (0.9, 0.9, 0.95))])
+def test_a_numpy_scalar_written_between_compiled_steps_is_stored_as_the_float_and_recompiles(setting, values):
+    """A NumPy scalar written into a group (a schedule computed with NumPy) is stored as a Python float while
+    dynamo traces, as eagerly: the steps are the float schedule's, bit for bit (aot_eager). The price
+    (docs/torch.md): the step's guards hold the float, so each write of a NumPy scalar compiles the step again,
+    even of the same value. Before 2026-11-29 ``fullgraph`` failed ("Data-dependent branching")."""
+    np = pytest.importorskip("numpy")
+    model, twin = _matrices_only(), _matrices_only()
+    opt, eager_opt = (FISMO(m.parameters(), lr=0.05, nonfinite="propagate") for m in (model, twin))
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(opt.step, backend=backend, fullgraph=True)
+    frames = []
+    for x, value in zip(_batches(model, len(values)), values):
+        for m, o, step, written in ((model, opt, compiled, np.float64(value)), (twin, eager_opt, eager_opt.step, value)):
+            o.param_groups[0][setting] = written
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            step()
+        assert type(opt.param_groups[0][setting]) is float
+        frames.append(backend.frame_count)
+    assert all(now > before for before, now in zip([0] + frames, frames)), frames  # a compilation per write
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_step_counts_are_put_back_on_the_cpu_after_dynamo_moves_them(monkeypatch):
     """Compiled after eager steps (or a resumed checkpoint), dynamo moves every state's ``"step"`` to its
     parameter's device before it runs ``_init_group`` (``OptimizerVariable.move_step_if_cpu``; on a CPU no
