@@ -92,18 +92,22 @@ def param_name(group: dict, index: int, group_index: int, *, located: bool = Fal
 
 # ---------------------------------------------------------------- the core of a group
 def core_key(group: dict) -> tuple:
-    """The hyperparameters of ``group`` that define its core instance, as a hashable key."""
+    """The hyperparameters of ``group`` that define its core instance, as a hashable key.
+
+    Values set in the group since it was added are checked first; the errors do not name the group (its
+    index is the caller's, `FISMO._core_for`).
+    """
     polar, inv_root = group["polar"], group["inv_root"]
     if not (isinstance(polar, dict) and set(polar) == _POLAR_FIELDS and isinstance(inv_root, dict) and set(inv_root) == _INV_ROOT_FIELDS):
         # A config object, a method name or a partial dict set after construction: completed here,
         # so that a state_dict records every field (a checkpoint then resumes with the same schedule).
-        validate_fismo_hparams(group, "a param group")
+        validate_fismo_hparams(group, "")
     elif not _stored_as_checked(group):
         # A value set in the group since (a NumPy scalar from a schedule, a NumPy array beta, a negative
-        # weight_decay): checked and stored as at construction, before it is hashed into the key. Compiled,
+        # weight_decay or lr, a misspelt adjust_lr_fn): checked and stored as at construction, before it is hashed into the key. Compiled,
         # the check runs while dynamo traces (its eager run of _init_group), and its comparisons guard a
-        # symbolic weight_decay, so a value out of range retraces the step and is refused there.
-        validate_fismo_hparams(group, "a param group")
+        # symbolic weight_decay or lr, so a value out of range retraces the step and is refused there.
+        validate_fismo_hparams(group, "")
     key = (
         group["beta"],
         group["gamma"],
@@ -121,12 +125,17 @@ def core_key(group: dict) -> tuple:
 
 
 def _stored_as_checked(group: dict) -> bool:
-    """Whether ``beta``, ``gamma``, ``mu`` and ``weight_decay`` are as `validate_fismo_hparams` stores them:
-    Python floats (``beta`` may be a tensor), and ``weight_decay`` in the core's range (the others are in
-    the core key, whose new values make a checked core; line 9 is the adapter's)."""
+    """Whether ``beta``, ``gamma``, ``mu``, ``weight_decay`` and ``lr`` are as `validate_fismo_hparams` stores
+    them: Python floats (``beta`` and ``lr`` may be tensors, ``lr`` an int), with ``weight_decay`` and a number
+    ``lr`` in their ranges, and ``adjust_lr_fn`` one of its values. (``beta``, ``gamma`` and ``mu`` are in the
+    core key, whose new values make a checked core; line 9 is the adapter's. A tensor lr's value is not read:
+    no host read.)"""
+    lr = group["lr"]
     return (all(type(group[name]) is float for name in ("gamma", "mu", "weight_decay"))
             and (type(group["beta"]) is float or isinstance(group["beta"], torch.Tensor))
-            and 0.0 <= group["weight_decay"] < math.inf)
+            and 0.0 <= group["weight_decay"] < math.inf
+            and (lr.numel() == 1 if isinstance(lr, torch.Tensor) else type(lr) in (int, float) and 0.0 <= lr < math.inf)
+            and group["adjust_lr_fn"] in ADJUST_LR_FNS)
 
 
 def _specialised(value: Any) -> Any:
@@ -179,22 +188,40 @@ def make_core(key: tuple) -> _CoreFISMO:
 
 
 # ---------------------------------------------------------------- validation
+def check_group_settings(param_groups: list) -> None:
+    """The settings of every group that a step reads and no core checks, as they may have been written since
+    the group was added: its ``algorithm`` (fixed when the group is added: an AdamW group has AdamW's keys, a
+    FISMO group FISMO's) and its ``nonfinite`` policy (AdamW groups make no core that would check it)."""
+    for index, group in enumerate(param_groups):
+        added_as = "adamw" if "betas" in group else "fismo"
+        if group["algorithm"] != added_as:
+            raise ValueError(
+                f"param group {index}: algorithm {group['algorithm']!r} set in a group added as {added_as!r}; "
+                "a group keeps its algorithm (add another group with add_param_group)"
+            )
+        _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), f"param group {index}")
+
+
 def validate_fismo_hparams(hp: dict, where: str) -> None:
-    """Check a FISMO group's hyperparameters (the core checks its own) and store ``polar``/``inv_root`` as dicts."""
+    """Check a FISMO group's hyperparameters (the core checks its own) and store ``polar``/``inv_root`` as dicts.
+
+    Errors begin with ``where`` (nothing when it is empty: the caller names the group).
+    """
+    prefix = f"{where}: " if where else ""
     lr = hp["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"{where}: a tensor lr must have one element")
+            raise ValueError(f"{prefix}a tensor lr must have one element")
         lr = lr.item()
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"{where}: lr must be a finite number >= 0, got {hp['lr']!r}")
+        raise ValueError(f"{prefix}lr must be a finite number >= 0, got {hp['lr']!r}")
     if not isinstance(hp["lr"], torch.Tensor) and type(hp["lr"]) not in (int, float):
         # A NumPy scalar (np.float32, np.float64, ...) is stored as a Python float: a state_dict holding it
         # would not load with torch.load(weights_only=True).
         hp["lr"] = float(lr)
     if hp["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(
-            f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {hp['adjust_lr_fn']!r}"
+            f"{prefix}adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {hp['adjust_lr_fn']!r}"
         )
     _guards.check_beta_library(hp["beta"], torch.Tensor, where, "a 0-d floating torch tensor")
     try:
@@ -212,7 +239,7 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
             block_size=hp.get("block_size", CORE_DEFAULTS.block_size),
         )
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{where}: {exc}") from exc
+        raise type(exc)(f"{prefix}{exc}") from exc
     # Python floats (a NumPy scalar as given, np.float64) and plain dicts, so that a state_dict loads with
     # torch.load(weights_only=True); a tensor beta is kept, the object the caller may change in place.
     for name in ("beta", "gamma", "mu", "weight_decay"):

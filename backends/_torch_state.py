@@ -366,8 +366,6 @@ def check_grads(param_groups: list) -> GradientChecks:
     core's fault flags in one host read (`GradientChecks.pending`).
     """
     for gi, group in enumerate(param_groups):
-        # A policy set in the group after construction (AdamW groups make no core that would check it).
-        _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), f"param group {gi}")
         for i, p in enumerate(group["params"]):
             g = p.grad
             if g is None:

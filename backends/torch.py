@@ -51,6 +51,7 @@ from ._torch_groups import (
     STEP_COUNT_DEVICE,
     adamw_group_step,
     adjusted_lr,
+    check_group_settings,
     core_key,
     drop_fismo_keys,
     init_adamw_state,
@@ -421,8 +422,9 @@ class FISMO(Optimizer):
     def _step(self) -> None:
         """`step` without its closure, outside autocast."""
         if torch.compiler.is_compiling():
-            self._init_group()
+            self._init_group()  # checks the groups' settings first, eagerly (an error raised in the trace is dynamo's)
             self._static_shapes()
+        check_group_settings(self.param_groups)
         checks = check_grads(self.param_groups)
         placements = self._placements()
         created: list[torch.Tensor] = []  # the parameters whose state this step creates
@@ -475,6 +477,7 @@ class FISMO(Optimizer):
         path): after eager steps or a resumed checkpoint, a GPU's. The step counts of
         both algorithms stay on the CPU here (`_step_counts_on_the_cpu`).
         """
+        check_group_settings(self.param_groups)
         self._step_counts_on_the_cpu()
         placements = self._placements()
         for group in self.param_groups:
@@ -520,18 +523,23 @@ class FISMO(Optimizer):
     def _core_for(self, group: dict) -> _CoreFISMO:
         """Core instances cached per hyperparameter set (a plain dict, which torch.compile traces)."""
         cores = self.__dict__.setdefault("_cores", {})
-        key = core_key(group)
-        if torch.compiler.is_compiling() and group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "propagate":
-            # Built in the trace from the concrete key: a core cached by an eager call is an object whose
-            # float fields dynamo reads symbolically under dynamic=True, and the core's checks of them
-            # (math.isfinite) break the one graph. Not with host reads: their graph breaks would hand a
-            # new core to the next frame at every step, and its guards would recompile it.
-            return self._make_core(group, key)
-        if key not in cores:
-            core = self._make_core(group, key)
-            if len(cores) >= _MAX_CORES:  # a schedule of beta, gamma or mu makes one core per value
-                cores.pop(next(iter(cores)))
-            cores[key] = core
+        try:
+            # A value set in the group after construction (a schedule of beta, a typo) is checked here,
+            # where its key and its core are made, and the error names the group.
+            key = core_key(group)
+            if torch.compiler.is_compiling() and group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "propagate":
+                # Built in the trace from the concrete key: a core cached by an eager call is an object whose
+                # float fields dynamo reads symbolically under dynamic=True, and the core's checks of them
+                # (math.isfinite) break the one graph. Not with host reads: their graph breaks would hand a
+                # new core to the next frame at every step, and its guards would recompile it.
+                return make_core(key)
+            if key not in cores:
+                core = make_core(key)
+                if len(cores) >= _MAX_CORES:  # a schedule of beta, gamma or mu makes one core per value
+                    cores.pop(next(iter(cores)))
+                cores[key] = core
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"param group {self._group_index(group)}: {exc}") from exc
         if not torch.compiler.is_compiling():
             # The states must fit a block_size set since: checked once per group and block_size (not at
             # every step of a schedule of beta, which changes the key only).
@@ -541,14 +549,6 @@ class FISMO(Optimizer):
                 self._check_states_fit(group, cores[key])
                 checked[index] = block_size
         return cores[key]
-
-    def _make_core(self, group: dict, key: tuple) -> _CoreFISMO:
-        """`make_core`, its errors naming the group: a value set in it after construction (a schedule of
-        beta, a typo) is checked here, where its core is made."""
-        try:
-            return make_core(key)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"param group {self._group_index(group)}: {exc}") from exc
 
     def _group_index(self, group: dict) -> int:
         """The position of ``group`` in ``param_groups``."""

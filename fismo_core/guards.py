@@ -71,9 +71,11 @@ def type_name(x: Any) -> str:
 
 def check_beta_library(beta: Any, array_type: type, where: str, wanted: str) -> None:
     """An adapter's refusal of an array ``beta`` not of its library (``array_type``), where its settings
-    are taken: the core can refuse it only at the first call, when it meets the gradient."""
+    are taken: the core can refuse it only at the first call, when it meets the gradient. The error begins
+    with ``where`` (nothing when it is empty)."""
     if not isinstance(beta, (numbers.Real, array_type)) and is_array_api_obj(beta):
-        raise TypeError(f"{where}: beta must be a number or {wanted}, got a {type_name(beta)}")
+        prefix = f"{where}: " if where else ""
+        raise TypeError(f"{prefix}beta must be a number or {wanted}, got a {type_name(beta)}")
 
 
 NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip", "propagate")

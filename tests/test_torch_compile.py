@@ -337,23 +337,30 @@ def test_a_tensor_beta_schedule_compiles_one_graph_and_gives_the_float_schedules
 
 @pytest.mark.parametrize("nonfinite", ["propagate", "raise"])
 @pytest.mark.parametrize("setting, schedule, bad, message", [
-    ("weight_decay", (0.1, 0.2), -1.0, r"weight_decay must lie in \[0\.0, inf\), got -1\.0"),
-    ("weight_decay", (0.1, 0.2), float("nan"), "weight_decay must be a finite real number, got nan"),
+    ("weight_decay", (0.1, 0.2), -1.0, r"param group 0: weight_decay must lie in \[0\.0, inf\), got -1\.0"),
+    ("weight_decay", (0.1, 0.2), float("nan"), "param group 0: weight_decay must be a finite real number, got nan"),
+    ("lr", (0.1, 0.2), -1.0, "param group 0: lr must be a finite number >= 0, got -1.0"),
+    ("adjust_lr_fn", ("original", None), "match_rms", "param group 0: adjust_lr_fn must be None, 'original' or"),
     ("beta", (0.9, 0.95), 1.5, r"param group 0: beta must lie in \[0\.0, 1\.0\], got 1\.5"),
     ("gamma", (0.9, 0.95), 2.0, r"param group 0: gamma must lie in \[0\.0, 1\.0\], got 2\.0"),
-], ids=["negative weight_decay", "NaN weight_decay", "beta", "gamma"])
+    ("nonfinite", (), "rasie", "param group 0: nonfinite must be 'raise', 'skip' or 'propagate', got 'rasie'"),
+    ("algorithm", (), "sgd", "param group 0: algorithm 'sgd' set in a group added as 'fismo'"),
+], ids=["negative weight_decay", "NaN weight_decay", "negative lr", "adjust_lr_fn", "beta", "gamma", "nonfinite",
+        "algorithm"])
 def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_changes(nonfinite, setting, schedule,
                                                                                    bad, message):
     """As eagerly (docs/torch.md, "values written into param_groups"), a value set in a group between compiled
     steps is checked at the next step: it fails the step's guards (a constant's value, or the range of a
-    ``weight_decay`` that dynamo made symbolic once a schedule changed it), and the new trace refuses it, with
-    the parameter and its state unchanged. torch reports it as its ``InternalTorchDynamoError`` with the
-    message. Before 2026-11-29 a ``weight_decay`` of -1.0 or NaN between compiled steps was used as it was."""
+    ``weight_decay`` or ``lr`` that dynamo made symbolic once a schedule changed it), and the new trace refuses
+    it, eagerly (``_init_group``), with the parameter and its state unchanged. torch reports it as its
+    ``InternalTorchDynamoError`` with the message. Before 2026-11-29 a ``weight_decay`` or ``lr`` of -1.0 or
+    NaN and a misspelt ``adjust_lr_fn`` between compiled steps were used as they were, and a misspelt
+    ``nonfinite`` or ``algorithm`` raised dynamo's "Observed exception" without the message."""
     W = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
     opt = FISMO([W], lr=0.1, weight_decay=0.1, nonfinite=nonfinite)
     step = torch.compile(opt.step, backend="aot_eager", fullgraph=nonfinite == "propagate")
-    for value in schedule:  # the second value makes a float symbolic (dynamo's "automatic dynamic")
-        opt.param_groups[0][setting] = value
+    for value in schedule or (opt.param_groups[0][setting],) * 2:  # a second value makes a float symbolic
+        opt.param_groups[0][setting] = value                          # (dynamo's "automatic dynamic")
         W.grad = torch.full((4, 3), 0.5, dtype=torch.float64)
         step()
     before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})

@@ -148,7 +148,7 @@ def test_an_array_beta_of_another_library_is_refused():
     message = r"beta must be a number or a 0-d floating torch tensor, got a numpy\.ndarray"
     with pytest.raises(TypeError, match=message):
         FISMO([torch.nn.Parameter(torch.ones(3, 4))], lr=0.1, beta=np.asarray(0.9))
-    _refused_at_the_next_step("beta", np.asarray(0.9), TypeError, rf"param group: {message}", lr=0.1)
+    _refused_at_the_next_step("beta", np.asarray(0.9), TypeError, rf"param group 0: {message}", lr=0.1)
 
 
 @pytest.mark.parametrize("algorithm", ["fismo", "adamw"])
@@ -266,7 +266,9 @@ def test_param_groups_sends_complex_weights_to_adamw():
 def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_anything_changes():
     """Values a user (or a scheduler) writes into ``param_groups`` after construction: a misspelt
     ``nonfinite`` passed as "propagate" (a NaN gradient then reached the weights), another ``block_size``
-    raised a bare ``KeyError('P_rest')``, and errors did not name the group (found 2026-11-28)."""
+    raised a bare ``KeyError('P_rest')``, and errors did not name the group (found 2026-11-28). Until
+    2026-11-29 a negative or non-finite ``lr`` stepped (-1.0 grew the weights, NaN made them NaN), a misspelt
+    ``adjust_lr_fn`` ran as "match_rms_adamw", and another ``algorithm`` raised a bare ``KeyError``."""
     W = torch.nn.Parameter(torch.randn(5, 6))
     b = torch.nn.Parameter(torch.randn(5))
     opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
@@ -284,6 +286,13 @@ def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_an
         (0, "gamma", 2.0, ValueError, r"param group 0: .*gamma"),
         (0, "block_size", 2, ValueError, r"block_size=2 splits parameter 0 of param group 0 \(shape \(5, 6\)\) into "
                                          r"other blocks than its state has"),
+        (0, "lr", -1.0, ValueError, r"param group 0: lr must be a finite number >= 0, got -1\.0"),
+        (0, "lr", math.nan, ValueError, r"param group 0: lr must be a finite number >= 0, got nan"),
+        (0, "lr", torch.tensor([0.1, 0.2]), ValueError, r"param group 0: a tensor lr must have one element"),
+        (0, "adjust_lr_fn", "match_rms", ValueError, r"param group 0: adjust_lr_fn must be None, 'original' or"),
+        (0, "algorithm", "sgd", ValueError, r"param group 0: algorithm 'sgd' set in a group added as 'fismo'"),
+        (0, "algorithm", "adamw", ValueError, r"param group 0: algorithm 'adamw' set in a group added as 'fismo'"),
+        (1, "algorithm", "fismo", ValueError, r"param group 1: algorithm 'fismo' set in a group added as 'adamw'"),
     ]:
         saved = opt.param_groups[gi][key]
         opt.param_groups[gi][key] = value
@@ -1042,7 +1051,7 @@ def test_a_bad_weight_decay_set_later_is_refused_before_anything_changes(weight_
     """``weight_decay`` is line 9's, not in the core's key, so a value set in the group after construction
     was used unchecked (-1.0 grew the weights). Refused at the next step, before anything changes, in
     the words of the constructor's check."""
-    _refused_at_the_next_step("weight_decay", weight_decay, ValueError, rf"param group: {message}", lr=0.1)
+    _refused_at_the_next_step("weight_decay", weight_decay, ValueError, rf"param group 0: {message}", lr=0.1)
 
 
 @pytest.mark.parametrize("block_size", [None, 3], ids=["full", "blocks"])
