@@ -191,15 +191,21 @@ def make_core(key: tuple) -> _CoreFISMO:
 def check_group_settings(param_groups: list) -> None:
     """The settings of every group that a step reads and no core checks, as they may have been written since
     the group was added: its ``algorithm`` (fixed when the group is added: an AdamW group has AdamW's keys, a
-    FISMO group FISMO's) and its ``nonfinite`` policy (AdamW groups make no core that would check it)."""
+    FISMO group FISMO's), its ``nonfinite`` policy, and an AdamW group's ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` (AdamW groups make no core that would check them; a FISMO group's other values are
+    checked by `core_key`). Before anything changes: torch's AdamW would raise some of them in its step, after
+    the FISMO groups before it have stepped."""
     for index, group in enumerate(param_groups):
+        where = f"param group {index}"
         added_as = "adamw" if "betas" in group else "fismo"
         if group["algorithm"] != added_as:
             raise ValueError(
-                f"param group {index}: algorithm {group['algorithm']!r} set in a group added as {added_as!r}; "
+                f"{where}: algorithm {group['algorithm']!r} set in a group added as {added_as!r}; "
                 "a group keeps its algorithm (add another group with add_param_group)"
             )
-        _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), f"param group {index}")
+        if added_as == "adamw" and not _adamw_stored_as_checked(group):
+            validate_adamw_hparams(group, where)  # raises, or stores NumPy scalars as floats
+        _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), where)
 
 
 def validate_fismo_hparams(hp: dict, where: str) -> None:
@@ -282,6 +288,31 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
     if not 0.0 <= group["weight_decay"]:
         raise ValueError(f"{where}: invalid AdamW weight_decay {group['weight_decay']!r}")
     _guards.check_nonfinite_policy(group["nonfinite"], where)
+    # Python floats (a NumPy scalar as given, np.float64), so that a state_dict loads with
+    # torch.load(weights_only=True), as in FISMO groups (torch.optim.AdamW keeps them as given).
+    for name in ("lr", "eps", "weight_decay"):
+        if not _is_number(group[name]) and not isinstance(group[name], torch.Tensor):
+            group[name] = float(group[name])
+    if not any(tensor_betas):
+        group["betas"] = tuple(b if _is_number(b) else float(b) for b in betas)
+
+
+def _is_number(x: Any) -> bool:
+    """A Python int or float, as a group stores its numbers (not a bool, not a NumPy scalar)."""
+    return type(x) in (int, float)
+
+
+def _adamw_stored_as_checked(group: dict) -> bool:
+    """Whether an AdamW group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` are as `validate_adamw_hparams`
+    leaves them, without reading a tensor's value (no host read): numbers in their ranges, or one-element
+    tensors without ``foreach``."""
+    lr, betas = group["lr"], group["betas"]
+    tensors_allowed = not group["foreach"]
+    return ((lr.numel() == 1 and tensors_allowed if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr)
+            and all(_is_number(group[name]) and 0.0 <= group[name] for name in ("eps", "weight_decay"))
+            and isinstance(betas, (tuple, list)) and len(betas) == 2
+            and (all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)
+                 or tensors_allowed and all(isinstance(b, torch.Tensor) and b.numel() == 1 for b in betas)))
 
 
 def validate_matrix_param(p: Any, name: str) -> None:

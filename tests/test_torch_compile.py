@@ -336,38 +336,44 @@ def test_a_tensor_beta_schedule_compiles_one_graph_and_gives_the_float_schedules
 
 
 @pytest.mark.parametrize("nonfinite", ["propagate", "raise"])
-@pytest.mark.parametrize("setting, schedule, bad, message", [
-    ("weight_decay", (0.1, 0.2), -1.0, r"param group 0: weight_decay must lie in \[0\.0, inf\), got -1\.0"),
-    ("weight_decay", (0.1, 0.2), float("nan"), "param group 0: weight_decay must be a finite real number, got nan"),
-    ("lr", (0.1, 0.2), -1.0, "param group 0: lr must be a finite number >= 0, got -1.0"),
-    ("adjust_lr_fn", ("original", None), "match_rms", "param group 0: adjust_lr_fn must be None, 'original' or"),
-    ("beta", (0.9, 0.95), 1.5, r"param group 0: beta must lie in \[0\.0, 1\.0\], got 1\.5"),
-    ("gamma", (0.9, 0.95), 2.0, r"param group 0: gamma must lie in \[0\.0, 1\.0\], got 2\.0"),
-    ("nonfinite", (), "rasie", "param group 0: nonfinite must be 'raise', 'skip' or 'propagate', got 'rasie'"),
-    ("algorithm", (), "sgd", "param group 0: algorithm 'sgd' set in a group added as 'fismo'"),
+@pytest.mark.parametrize("group, setting, schedule, bad, message", [
+    (0, "weight_decay", (0.1, 0.2), -1.0, r"weight_decay must lie in \[0\.0, inf\), got -1\.0"),
+    (0, "weight_decay", (0.1, 0.2), float("nan"), "weight_decay must be a finite real number, got nan"),
+    (0, "lr", (0.1, 0.2), -1.0, "lr must be a finite number >= 0, got -1.0"),
+    (0, "adjust_lr_fn", ("original", None), "match_rms", "adjust_lr_fn must be None, 'original' or"),
+    (0, "beta", (0.9, 0.95), 1.5, r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
+    (0, "gamma", (0.9, 0.95), 2.0, r"gamma must lie in \[0\.0, 1\.0\], got 2\.0"),
+    (0, "nonfinite", (), "rasie", "nonfinite must be 'raise', 'skip' or 'propagate', got 'rasie'"),
+    (0, "algorithm", (), "sgd", "algorithm 'sgd' set in a group added as 'fismo'"),
+    (1, "lr", (1e-3, 2e-3), -1.0, "invalid AdamW lr -1.0"),
+    (1, "betas", ((0.9, 0.99), (0.8, 0.99)), (0.9, 1.5), r"AdamW betas must be two numbers in \[0, 1\)"),
 ], ids=["negative weight_decay", "NaN weight_decay", "negative lr", "adjust_lr_fn", "beta", "gamma", "nonfinite",
-        "algorithm"])
-def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_changes(nonfinite, setting, schedule,
-                                                                                   bad, message):
+        "algorithm", "AdamW lr", "AdamW betas"])
+def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_changes(nonfinite, group, setting,
+                                                                                   schedule, bad, message):
     """As eagerly (docs/torch.md, "values written into param_groups"), a value set in a group between compiled
     steps is checked at the next step: it fails the step's guards (a constant's value, or the range of a
     ``weight_decay`` or ``lr`` that dynamo made symbolic once a schedule changed it), and the new trace refuses
-    it, eagerly (``_init_group``), with the parameter and its state unchanged. torch reports it as its
+    it, eagerly (``_init_group``), with the parameters and their states unchanged. torch reports it as its
     ``InternalTorchDynamoError`` with the message. Before 2026-11-29 a ``weight_decay`` or ``lr`` of -1.0 or
-    NaN and a misspelt ``adjust_lr_fn`` between compiled steps were used as they were, and a misspelt
-    ``nonfinite`` or ``algorithm`` raised dynamo's "Observed exception" without the message."""
+    NaN and a misspelt ``adjust_lr_fn`` between compiled steps were used as they were, a misspelt
+    ``nonfinite`` or ``algorithm`` raised dynamo's "Observed exception" without the message, and malformed
+    AdamW betas raised inside torch's AdamW after the FISMO group had stepped."""
     W = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
-    opt = FISMO([W], lr=0.1, weight_decay=0.1, nonfinite=nonfinite)
+    b = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.1, weight_decay=0.1, nonfinite=nonfinite)
     step = torch.compile(opt.step, backend="aot_eager", fullgraph=nonfinite == "propagate")
-    for value in schedule or (opt.param_groups[0][setting],) * 2:  # a second value makes a float symbolic
-        opt.param_groups[0][setting] = value                          # (dynamo's "automatic dynamic")
-        W.grad = torch.full((4, 3), 0.5, dtype=torch.float64)
+    for value in schedule or (opt.param_groups[group][setting],) * 2:  # a second value makes a float symbolic
+        opt.param_groups[group][setting] = value                          # (dynamo's "automatic dynamic")
+        W.grad, b.grad = torch.full((4, 3), 0.5, dtype=torch.float64), torch.full((3,), 0.5, dtype=torch.float64)
         step()
-    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
-    opt.param_groups[0][setting] = bad
-    with pytest.raises((ValueError, torch._dynamo.exc.InternalTorchDynamoError), match=message):
+    before = (W.detach().clone(), b.detach().clone(), [{k: v.clone() for k, v in opt.state[p].items()} for p in (W, b)])
+    opt.param_groups[group][setting] = bad
+    with pytest.raises((ValueError, torch._dynamo.exc.InternalTorchDynamoError), match=rf"param group {group}: {message}"):
         step()
-    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+    assert torch.equal(W, before[0]) and torch.equal(b, before[1])
+    for p, state in zip((W, b), before[2]):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
 
 
 @pytest.mark.parametrize("setting, values", [("weight_decay", (0.1, 0.1, 0.2)), ("gamma", (0.9, 0.9, 0.95))])

@@ -188,6 +188,63 @@ def test_bad_adamw_groups_are_refused():
     FISMO([{"params": [p], "algorithm": "adamw", "fused": None, "capturable": False, "differentiable": False}])
 
 
+@pytest.mark.parametrize("setting, value, message", [
+    ("lr", -1.0, r"invalid AdamW lr -1\.0"),
+    ("lr", math.nan, "invalid AdamW lr nan"),
+    ("lr", torch.tensor([1e-3, 1e-3]), r"a tensor AdamW lr must have one element, got shape \(2,\)"),
+    ("betas", (0.9,), r"AdamW betas must be two numbers in \[0, 1\), got \(0\.9,\)"),
+    ("betas", (0.9, 1.5), r"AdamW betas must be two numbers in \[0, 1\), got \(0\.9, 1\.5\)"),
+    ("eps", -1.0, r"invalid AdamW eps -1\.0"),
+    ("weight_decay", math.nan, "invalid AdamW weight_decay nan"),
+    ("foreach", True, "a tensor AdamW lr needs foreach=False or None"),
+])
+def test_bad_adamw_settings_set_later_are_refused_before_the_fismo_groups_step(setting, value, message):
+    """An AdamW group's values written after construction are checked at the next step, before any group steps.
+    Until 2026-11-29 they were not: a negative or NaN lr, eps or weight_decay stepped (as torch.optim.AdamW
+    steps them), and malformed betas, a two-element lr or foreach=True with a tensor lr raised inside torch's
+    AdamW after the FISMO group before it had stepped."""
+    W = torch.nn.Parameter(torch.ones(4, 3))
+    b = torch.nn.Parameter(torch.ones(3))
+    lr = torch.tensor(1e-3) if setting == "foreach" else 1e-3
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw", "lr": lr}], lr=0.1)
+    W.grad, b.grad = torch.full((4, 3), 0.5), torch.full((3,), 0.5)
+    opt.step()
+    before = copy.deepcopy((W.detach(), b.detach(), opt.state_dict()["state"]))
+    opt.param_groups[1][setting] = value
+    with pytest.raises(ValueError, match=rf"param group 1: {message}"):
+        opt.step()
+    assert torch.equal(W, before[0]) and torch.equal(b, before[1])
+    for index, state in opt.state_dict()["state"].items():
+        assert all(torch.equal(v, before[2][index][k]) for k, v in state.items())
+
+
+@pytest.mark.parametrize("setting, value", [("lr", 1e-3), ("eps", 1e-6), ("weight_decay", 0.05), ("betas", (0.8, 0.99))])
+def test_numpy_scalar_adamw_settings_are_stored_as_python_floats(setting, value):
+    """An AdamW group's NumPy-scalar settings, given or set later, are stored as floats and step as the floats
+    bit for bit: kept as given (as torch.optim.AdamW keeps them), the state_dict did not load with
+    ``torch.load(weights_only=True)`` (until 2026-11-29)."""
+    as_numpy = tuple(map(np.float64, value)) if setting == "betas" else np.float64(value)
+    gen = torch.Generator().manual_seed(0)
+    b = torch.nn.Parameter(torch.randn(5, generator=gen))
+    twin = torch.nn.Parameter(b.detach().clone())
+    opt = FISMO([{"params": [b], "algorithm": "adamw", setting: as_numpy}])
+    opt_float = FISMO([{"params": [twin], "algorithm": "adamw", setting: value}])
+    for step in range(3):
+        if step == 2:  # set later, as a schedule computed with NumPy does
+            opt.param_groups[0][setting] = as_numpy
+        b.grad = torch.randn(5, generator=gen)
+        twin.grad = b.grad.clone()
+        opt.step()
+        opt_float.step()
+        stored = opt.param_groups[0][setting]
+        assert all(type(x) is float for x in stored) if setting == "betas" else type(stored) is float
+    assert torch.equal(b, twin)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["param_groups"][0][setting] == value
+
+
 def test_a_tensor_adamw_lr_with_foreach_is_refused_when_the_group_is_added():
     """``torch.optim.AdamW`` refuses a tensor ``lr`` with ``foreach=True`` (``capturable=False``) at
     construction; an AdamW group does too, where its step would have raised after the FISMO groups
