@@ -72,6 +72,11 @@ def scalar(x: Union[float, torch.Tensor]) -> float:
     return x.item() if isinstance(x, torch.Tensor) else x
 
 
+def _is_number(x: Any) -> bool:
+    """A Python int or float, as a group stores its numbers (not a bool, not a NumPy scalar)."""
+    return type(x) in (int, float)
+
+
 def scalar_dtype() -> torch.dtype:
     """The dtype of AdamW's step counter, as ``torch.optim.AdamW`` chooses it."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -104,9 +109,10 @@ def core_key(group: dict) -> tuple:
         validate_fismo_hparams(group, "")
     elif not _stored_as_checked(group):
         # A value set in the group since (a NumPy scalar from a schedule, a NumPy array beta, a negative
-        # weight_decay or lr, a misspelt adjust_lr_fn): checked and stored as at construction, before it is hashed into the key. Compiled,
-        # the check runs while dynamo traces (its eager run of _init_group), and its comparisons guard a
-        # symbolic weight_decay or lr, so a value out of range retraces the step and is refused there.
+        # weight_decay or lr, a misspelt adjust_lr_fn): checked and stored as at construction, before it is
+        # hashed into the key. Compiled, the check runs while dynamo traces (its eager run of _init_group),
+        # and its comparisons guard a symbolic weight_decay or lr, so a value out of range retraces the step
+        # and is refused there.
         validate_fismo_hparams(group, "")
     key = (
         group["beta"],
@@ -134,7 +140,7 @@ def _stored_as_checked(group: dict) -> bool:
     return (all(type(group[name]) is float for name in ("gamma", "mu", "weight_decay"))
             and (type(group["beta"]) is float or isinstance(group["beta"], torch.Tensor))
             and 0.0 <= group["weight_decay"] < math.inf
-            and (lr.numel() == 1 if isinstance(lr, torch.Tensor) else type(lr) in (int, float) and 0.0 <= lr < math.inf)
+            and (lr.numel() == 1 if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr < math.inf)
             and group["adjust_lr_fn"] in ADJUST_LR_FNS)
 
 
@@ -221,7 +227,7 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         lr = lr.item()
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr < 0:
         raise ValueError(f"{prefix}lr must be a finite number >= 0, got {hp['lr']!r}")
-    if not isinstance(hp["lr"], torch.Tensor) and type(hp["lr"]) not in (int, float):
+    if not isinstance(hp["lr"], torch.Tensor) and not _is_number(hp["lr"]):
         # A NumPy scalar (np.float32, np.float64, ...) is stored as a Python float: a state_dict holding it
         # would not load with torch.load(weights_only=True).
         hp["lr"] = float(lr)
@@ -295,11 +301,6 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
             group[name] = float(group[name])
     if not any(tensor_betas):
         group["betas"] = tuple(b if _is_number(b) else float(b) for b in betas)
-
-
-def _is_number(x: Any) -> bool:
-    """A Python int or float, as a group stores its numbers (not a bool, not a NumPy scalar)."""
-    return type(x) in (int, float)
 
 
 def _adamw_stored_as_checked(group: dict) -> bool:
