@@ -8,6 +8,7 @@ methods of ``FISMO``. See "torch.compile" in ``docs/torch.md``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -63,3 +64,32 @@ def traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.T
     out = tuple(torch.where(due_here.reshape(due.shape + (1,) * (a.ndim - 1)), a, b) for a, b in zip(fresh, kept))
     direction, state = rebuild(out)
     return _fismo.StepResult(direction, state, _guards.StepFaults())
+
+
+def through_dynamo(exc: Exception) -> Exception:
+    """``exc`` (a `ValueError` or `TypeError` refusing a setting) in the form dynamo lets out of a trace.
+
+    Dynamo rewraps an exception raised while it traces (here in ``_init_group``, which it runs
+    eagerly) as its ``InternalTorchDynamoError``, unless it is one of its own user-facing kinds
+    (torch 2.13, ``convert_frame.py``). The same message in a subclass of both ``type(exc)`` and
+    dynamo's ``UserError`` reaches the caller as eagerly: ``except ValueError`` catches it compiled
+    too. Where that private class is missing (another torch), ``exc`` as it is.
+    """
+    kind = _refusal_class(type(exc))
+    if kind is None:
+        return exc
+    return kind(_UserErrorType.INVALID_INPUT, str(exc))
+
+
+@functools.cache
+def _refusal_class(base: type) -> type | None:
+    """``base`` and dynamo's ``UserError`` in one class (named as ``base``); ``None`` without ``UserError``."""
+    if _UserError is None:  # pragma: no cover - another torch
+        return None
+    return type(base.__name__, (base, _UserError), {"__init__": _UserError.__init__, "__module__": __name__})
+
+
+try:
+    from torch._dynamo.exc import UserError as _UserError, UserErrorType as _UserErrorType
+except ImportError:  # pragma: no cover - another torch
+    _UserError = _UserErrorType = None

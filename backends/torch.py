@@ -61,7 +61,7 @@ from ._torch_groups import (
     route_group,
     validate_fismo_hparams,
 )
-from ._torch_compile import traced_refresh
+from ._torch_compile import through_dynamo, traced_refresh
 from ._torch_precision import bfloat16_is_native, onednn_isa_limit, training_precision
 from ._torch_state import (
     COUNTER_KEYS,
@@ -422,7 +422,7 @@ class FISMO(Optimizer):
     def _step(self) -> None:
         """`step` without its closure, outside autocast."""
         if torch.compiler.is_compiling():
-            self._init_group()  # checks the groups' settings first, eagerly (an error raised in the trace is dynamo's)
+            self._init_group()  # checks the groups' settings first, eagerly (its refusals pass through dynamo)
             self._static_shapes()
         check_group_settings(self.param_groups)
         checks = check_grads(self.param_groups)
@@ -477,7 +477,11 @@ class FISMO(Optimizer):
         path): after eager steps or a resumed checkpoint, a GPU's. The step counts of
         both algorithms stay on the CPU here (`_step_counts_on_the_cpu`).
         """
-        check_group_settings(self.param_groups)
+        try:
+            check_group_settings(self.param_groups)
+            cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
+        except (TypeError, ValueError) as exc:
+            raise through_dynamo(exc) from exc
         self._step_counts_on_the_cpu()
         placements = self._placements()
         for group in self.param_groups:
@@ -486,7 +490,7 @@ class FISMO(Optimizer):
                     if p.grad is not None and not self.state[p]:
                         init_adamw_state(self.state[p], p, group)
             else:
-                core = self._core_for(group)
+                core = cores[id(group)]
                 for p in group["params"]:
                     if p.grad is not None and not self.state.get(p) and not placements[p].distributed:
                         self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))

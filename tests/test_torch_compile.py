@@ -342,6 +342,7 @@ _BAD_VALUES_SET_LATER = {  # id: (group, setting, schedule, bad value, message)
     "adjust_lr_fn": (0, "adjust_lr_fn", ("original", None), "match_rms", "adjust_lr_fn must be None, 'original' or"),
     "beta": (0, "beta", (0.9, 0.95), 1.5, r"beta must lie in \[0\.0, 1\.0\], got 1\.5"),
     "gamma": (0, "gamma", (0.9, 0.95), 2.0, r"gamma must lie in \[0\.0, 1\.0\], got 2\.0"),
+    "nesterov": (0, "nesterov", (), "yes", "nesterov must be True or False, got 'yes'"),  # a TypeError
     "nonfinite": (0, "nonfinite", (), "rasie", "nonfinite must be 'raise', 'skip' or 'propagate', got 'rasie'"),
     "algorithm": (0, "algorithm", (), "sgd", "algorithm 'sgd' set in a group added as 'fismo'"),
     "AdamW lr": (1, "lr", (1e-3, 2e-3), -1.0, "invalid AdamW lr -1.0"),
@@ -363,8 +364,10 @@ def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_chang
     """As eagerly (docs/torch.md, "values written into param_groups"), a value set in a group between compiled
     steps is checked at the next step: it fails the step's guards (a constant's value, or the range of a
     ``weight_decay`` or ``lr`` that dynamo made symbolic once a schedule changed it), and the new trace refuses
-    it, eagerly (``_init_group``), with the parameters and their states unchanged. torch reports it as its
-    ``InternalTorchDynamoError`` with the message. Before 2026-11-29 a ``weight_decay`` or ``lr`` of -1.0 or
+    it, eagerly (``_init_group``), with the parameters and their states unchanged: the eager error's type
+    and message (a subclass of it and of dynamo's ``UserError``, which dynamo lets through; until 2026-11-29
+    its ``InternalTorchDynamoError`` carrying the message, which ``except ValueError`` missed). Before
+    2026-11-29 a ``weight_decay`` or ``lr`` of -1.0 or
     NaN and a misspelt ``adjust_lr_fn`` between compiled steps were used as they were, a misspelt
     ``nonfinite`` or ``algorithm`` raised dynamo's "Observed exception" without the message, and malformed
     AdamW betas raised inside torch's AdamW after the FISMO group had stepped."""
@@ -377,12 +380,17 @@ def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_chang
         W.grad, b.grad = torch.full((4, 3), 0.5, dtype=torch.float64), torch.full((3,), 0.5, dtype=torch.float64)
         step()
     before = (W.detach().clone(), b.detach().clone(), [{k: v.clone() for k, v in opt.state[p].items()} for p in (W, b)])
-    opt.param_groups[group][setting] = bad
-    with pytest.raises((ValueError, torch._dynamo.exc.InternalTorchDynamoError), match=rf"param group {group}: {message}"):
+    good, opt.param_groups[group][setting] = opt.param_groups[group][setting], bad
+    with pytest.raises(TypeError if setting == "nesterov" else ValueError,
+                       match=rf"param group {group}: {message}") as refused:
         step()
+    assert isinstance(refused.value, torch._dynamo.exc.UserError)  # the error as dynamo passes it on
     assert torch.equal(W, before[0]) and torch.equal(b, before[1])
     for p, state in zip((W, b), before[2]):
         assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+    opt.param_groups[group][setting] = good  # and the compiled step goes on
+    step()
+    assert not torch.equal(W, before[0]) and not torch.equal(b, before[1])
 
 
 @pytest.mark.parametrize("setting, values", [("weight_decay", (0.1, 0.1, 0.2)), ("gamma", (0.9, 0.9, 0.95))])
