@@ -9,6 +9,8 @@ methods of ``FISMO``. See "torch.compile" in ``docs/torch.md``.
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +66,28 @@ def traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.T
     out = tuple(torch.where(due_here.reshape(due.shape + (1,) * (a.ndim - 1)), a, b) for a, b in zip(fresh, kept))
     direction, state = rebuild(out)
     return _fismo.StepResult(direction, state, _guards.StepFaults())
+
+
+def warn_of_numpy_scalars(param_groups: list[dict]) -> None:
+    """Warn of each NumPy scalar found in a group while dynamo traces (``_init_group``).
+
+    The settings' checks store it as a Python float, and the traced step's guards then hold a float: the
+    next NumPy scalar written there (a schedule computed with NumPy) fails them, so each such write
+    compiles the step again, until dynamo's recompile limit. ``float(x)`` does not.
+    """
+    numpy = sys.modules.get("numpy")
+    if numpy is None:  # no NumPy scalar can exist
+        return
+    for index, group in enumerate(param_groups):
+        for name, value in group.items():
+            if isinstance(value, numpy.generic) or (
+                isinstance(value, tuple) and any(isinstance(v, numpy.generic) for v in value)
+            ):
+                warnings.warn(
+                    f"param group {index}: {name} is a NumPy scalar ({value!r}); it is stored as a Python float, "
+                    f"but each NumPy scalar written there compiles the step again: write float(x)",
+                    stacklevel=2,
+                )
 
 
 def through_dynamo(exc: Exception) -> Exception:

@@ -61,7 +61,7 @@ from ._torch_groups import (
     route_group,
     validate_fismo_hparams,
 )
-from ._torch_compile import through_dynamo, traced_refresh
+from ._torch_compile import through_dynamo, traced_refresh, warn_of_numpy_scalars
 from ._torch_precision import bfloat16_is_native, onednn_isa_limit, training_precision
 from ._torch_state import (
     COUNTER_KEYS,
@@ -477,6 +477,7 @@ class FISMO(Optimizer):
         path): after eager steps or a resumed checkpoint, a GPU's. The step counts of
         both algorithms stay on the CPU here (`_step_counts_on_the_cpu`).
         """
+        warn_of_numpy_scalars(self.param_groups)
         try:
             check_group_settings(self.param_groups)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
