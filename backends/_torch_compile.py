@@ -1,7 +1,8 @@
 """What only the traced step of the torch adapter runs (``torch.compile``).
 
 Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]: `traced_refresh`, lines 4-8 of a
-bucket whose inverse roots are due every ``k`` steps, with the decision kept in the graph. The
+bucket whose inverse roots are due every ``k`` steps, with the decision kept in the graph;
+`through_dynamo` and `warn_of_numpy_scalars`, for the settings ``_init_group`` checks at trace time. The
 optimizer's ``_init_group`` and ``_static_shapes``, which dynamo's tracing of ``step`` calls, stay
 methods of ``FISMO``. See "torch.compile" in ``docs/torch.md``.
 """
@@ -19,6 +20,11 @@ import torch
 from fismo_core import guards as _guards
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 from fismo_core.optimizer import FISMO as _CoreFISMO
+
+try:  # private classes of dynamo (torch 2.13), for `through_dynamo`
+    from torch._dynamo.exc import UserError as _UserError, UserErrorType as _UserErrorType
+except ImportError:  # pragma: no cover - another torch
+    _UserError = _UserErrorType = None
 
 
 def traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.Tensor) -> Any:
@@ -112,8 +118,3 @@ def _refusal_class(base: type) -> type | None:
         return None
     return type(base.__name__, (base, _UserError), {"__init__": _UserError.__init__, "__module__": __name__})
 
-
-try:
-    from torch._dynamo.exc import UserError as _UserError, UserErrorType as _UserErrorType
-except ImportError:  # pragma: no cover - another torch
-    _UserError = _UserErrorType = None
