@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -367,10 +368,10 @@ def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_chang
     it, eagerly (``_init_group``), with the parameters and their states unchanged: the eager error's type
     and message (a subclass of it and of dynamo's ``UserError``, which dynamo lets through; until 2026-11-29
     its ``InternalTorchDynamoError`` carrying the message, which ``except ValueError`` missed). Before
-    2026-11-29 a ``weight_decay`` or ``lr`` of -1.0 or
-    NaN and a misspelt ``adjust_lr_fn`` between compiled steps were used as they were, a misspelt
-    ``nonfinite`` or ``algorithm`` raised dynamo's "Observed exception" without the message, and malformed
-    AdamW betas raised inside torch's AdamW after the FISMO group had stepped."""
+    2026-11-29 a ``weight_decay`` or ``lr`` of -1.0 or NaN and a misspelt ``adjust_lr_fn`` between compiled
+    steps were used as they were, a misspelt ``nonfinite`` or ``algorithm`` raised dynamo's "Observed
+    exception" without the message, and malformed AdamW betas raised inside torch's AdamW after the FISMO
+    group had stepped."""
     W = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
     b = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.1, weight_decay=0.1, nonfinite=nonfinite)
@@ -398,7 +399,8 @@ def test_a_numpy_scalar_written_between_compiled_steps_is_stored_as_the_float_an
     """A NumPy scalar written into a group (a schedule computed with NumPy) is stored as a Python float while
     dynamo traces, as eagerly: the steps are the float schedule's, bit for bit (aot_eager). The price
     (docs/torch.md): the step's guards hold the float, so each write of a NumPy scalar compiles the step again,
-    even of the same value; each such compilation warns (since 2026-11-29). Before 2026-11-29 ``fullgraph`` failed ("Data-dependent branching")."""
+    even of the same value; each such compilation warns (since 2026-11-29). Before 2026-11-29 ``fullgraph``
+    failed ("Data-dependent branching")."""
     np = pytest.importorskip("numpy")
     model, twin = _matrices_only(), _matrices_only()
     opt, eager_opt = (FISMO(m.parameters(), lr=0.05, nonfinite="propagate") for m in (model, twin))
@@ -420,6 +422,27 @@ def test_a_numpy_scalar_written_between_compiled_steps_is_stored_as_the_float_an
     assert all(now > before for before, now in zip([0] + frames, frames)), frames  # a compilation per write
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_numpy_scalar_warning_names_each_group_and_setting_including_a_tuple_of_betas():
+    """`warn_of_numpy_scalars`, which ``_init_group`` calls while dynamo traces (above, through a compiled step):
+    one warning per NumPy scalar setting, an AdamW group's ``betas`` holding one included, and none for Python
+    numbers, tensors or a NumPy array (an array ``beta`` is refused by the checks, not warned of)."""
+    np = pytest.importorskip("numpy")
+    from fismo_core.backends._torch_compile import warn_of_numpy_scalars
+
+    groups = [
+        {"params": [], "lr": 0.1, "beta": torch.tensor(0.9), "gamma": np.float32(0.95), "mu": np.asarray(0.1)},
+        {"params": [], "lr": np.float64(1e-3), "betas": (np.float64(0.9), 0.999), "eps": 1e-8},
+    ]
+    with pytest.warns(UserWarning) as caught:
+        warn_of_numpy_scalars(groups)
+    assert sorted(str(w.message).split(" is a NumPy scalar")[0] for w in caught) == [
+        "param group 0: gamma", "param group 1: betas", "param group 1: lr"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_of_numpy_scalars([{"params": [], "lr": 0.1, "betas": (0.9, 0.999), "beta": torch.tensor(0.9)}])
 
 
 def test_step_counts_are_put_back_on_the_cpu_after_dynamo_moves_them(monkeypatch):
