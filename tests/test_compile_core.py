@@ -149,8 +149,10 @@ def test_aot_eager_is_bit_for_bit() -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_inductor_compiles_the_step(dtype: Any) -> None:
     """Inductor compiles the step (one frame) and computes it to rounding. Not bit for bit: its C++ kernels
-    sum reductions in another order (vectorised), e.g. the Frobenius norm that normalises Newton–Schulz
-    (measured 8.9e-16 apart on a norm of 6). Over the direction and every state array, on 9 cases (full,
+    sum reductions in another order (vectorised), e.g. the traces of lines 4–5 and, on an AVX-512 CPU, the
+    Frobenius norm that normalises Newton–Schulz (measured 8.9e-16 apart on a norm of 6), and its float64
+    sqrt is correctly rounded where torch's eager one is not (``docs/scripts/inductor_float64_sources.py``
+    lists where the two steps part). Over the direction and every state array, on 9 cases (full,
     blocked, Nesterov with scale-invariant statistics; 3 seeds), the difference measured at most 6.4e-15
     relative in float64 (29 eps) and 2.6e-6 in float32 (22 eps), under the default, AVX2 and AVX-512
     kernel sets alike; the bounds, 1e-12 and 1e-4, leave a factor 150 and 40, far below any real error.
