@@ -15,6 +15,7 @@ public names from there. This module holds
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -321,6 +322,7 @@ def validate_matrix_param(p: Any, name: str) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name}: optimizer can only optimize Tensors, got {type(p).__name__}")
     _refuse_uninitialised(p, name)
+    refuse_self_overlap(p, name)
     if p.ndim < 2:
         raise ValueError(
             f"{name} has shape {tuple(p.shape)}: FISMO optimises matrices (2-D weights, or conv weights "
@@ -339,6 +341,20 @@ def validate_matrix_param(p: Any, name: str) -> None:
         raise ValueError(
             f"{name} has shape {tuple(p.shape)}, with no entries: FISMO steps non-empty matrices only "
             "(leave it out, or put it in an AdamW group)"
+        )
+
+
+def refuse_self_overlap(p: torch.Tensor, name: str) -> None:
+    """A tensor whose elements share memory (``expand``: a stride of 0) cannot be updated in place.
+
+    torch raises at the in-place update, in the middle of a step, after the
+    parameters before it have stepped; refused here, before anything changes.
+    """
+    if any(stride == 0 and size > 1 for size, stride in zip(p.shape, p.stride())):
+        raise ValueError(
+            f"{name} has shape {tuple(p.shape)} and strides {tuple(p.stride())}: elements along a stride of 0 "
+            "share one memory location (an expanded tensor), which an in-place update cannot write; "
+            "optimise a tensor with memory of its own (p.clone())"
         )
 
 
@@ -380,6 +396,8 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
                 f"{where} lists a parameter of shape {tuple(p.shape)} twice; list each parameter once"
             )
         seen.add(id(p))
+    labels = [f"parameter {name!r}" if name is not None else f"parameter {i} of {where}"
+              for i, (name, _) in enumerate(named)]
     if algorithm == "adamw":
         wrong = [k for k in FISMO_ONLY_KEYS if k in group]
         if wrong:
@@ -393,6 +411,9 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
                 "fused=False, capturable=False, differentiable=False (foreach is honoured); for a fused or "
                 "capturable AdamW, give those parameters their own torch.optim.AdamW"
             )
+        for label, (_, p) in zip(labels, named):
+            if isinstance(p, torch.Tensor) and not torch.nn.parameter.is_lazy(p):
+                refuse_self_overlap(p, label)
         for key, value in ADAMW_DEFAULTS.items():
             group.setdefault(key, value)
         group.setdefault("nonfinite", defaults["nonfinite"])  # the optimizer's policy covers AdamW groups too
@@ -409,14 +430,32 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
             raise ValueError(str(foreign_keyword_error(f"{where} sets keys", foreign)))
         merged = {**defaults, **{k: v for k, v in group.items() if k in defaults}}
         validate_fismo_hparams(merged, where)
-        for key in ("polar", "inv_root", "block_size"):
-            if key in group:
-                group[key] = merged[key]
-        for i, (name, p) in enumerate(named):
-            label = f"parameter {name!r}" if name is not None else f"parameter {i} of {where}"
+        group["block_size"] = merged["block_size"]
+        for key in NESTED_OPTIONS:  # the group's own copy, not the defaults' dict (see own_nested_options)
+            group[key] = copy.deepcopy(merged[key])
+        for label, (_, p) in zip(labels, named):
             validate_matrix_param(p, label)
             if is_dtensor(p):
                 validate_dtensor(p, label)
+    return group
+
+
+NESTED_OPTIONS = ("polar", "inv_root")
+"""A FISMO group's options stored as dicts: the only mutable values of a group besides its ``params``."""
+
+
+def own_nested_options(group: dict) -> dict:
+    """Give ``group`` its own copies of its `NESTED_OPTIONS` dicts, and return it.
+
+    ``torch.optim`` copies a group's values by reference (from the defaults when
+    a group is added, into ``state_dict``, and a loaded checkpoint's groups from
+    one deep copy of them all), harmless for its floats and tuples; a dict
+    shared so would let an in-place edit of one group's ``polar`` change the
+    defaults, the other groups and a saved ``state_dict`` too.
+    """
+    for key in NESTED_OPTIONS:
+        if isinstance(group.get(key), dict):
+            group[key] = copy.deepcopy(group[key])
     return group
 
 
@@ -609,6 +648,11 @@ def param_groups(
     A lazy module's uninitialised weight (``nn.LazyLinear`` before its first
     forward pass) raises a ``ValueError``: its shape decides its group.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"param_groups takes the model (a torch.nn.Module), got {type(module).__name__}; for tensors "
+            "of your own, give FISMO the groups: [{'params': matrices}, {'params': others, 'algorithm': 'adamw'}]"
+        )
     embedding_weights = {
         id(w) for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
         for w in _weight_parameters(m)

@@ -135,7 +135,10 @@ def _matrix_dims(shape: tuple[int, ...], matrix_shape: MatrixShape) -> tuple[int
     """The matrix ``(m, n)`` a leaf of ``shape`` is optimized as: itself if 2-D, else ``matrix_shape(shape)``."""
     if len(shape) == 2:
         return shape[0], shape[1]
-    m, n = matrix_shape(shape)
+    dims = tuple(matrix_shape(shape))
+    if len(dims) != 2:
+        raise ValueError(f"matrix_shape{shape} returned {dims}; it must return two sizes (m, n)")
+    m, n = dims
     if m * n != math.prod(shape):
         raise ValueError(f"matrix_shape{shape} returned ({m}, {n}), which does not have {math.prod(shape)} elements")
     return m, n

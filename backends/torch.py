@@ -56,10 +56,12 @@ from ._torch_groups import (
     drop_fismo_keys,
     init_adamw_state,
     make_core,
+    own_nested_options,
     param_groups,
     param_name,
     route_group,
     validate_fismo_hparams,
+    validate_matrix_param,
 )
 from ._torch_compile import through_dynamo, traced_refresh, warn_of_numpy_scalars
 from ._torch_precision import bfloat16_is_native, onednn_isa_limit, training_precision
@@ -351,6 +353,8 @@ class FISMO(Optimizer):
         restore_saved_state(
             self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
         )
+        for group in self.param_groups:  # torch.optim deep-copies the saved groups at once: shared dicts stay shared
+            own_nested_options(group)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -386,6 +390,7 @@ class FISMO(Optimizer):
             saved = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
+        saved["param_groups"] = [own_nested_options(group) for group in saved["param_groups"]]  # not the live dicts
         placements = self._placements()
         index = 0
         for group in self.param_groups:
@@ -478,22 +483,26 @@ class FISMO(Optimizer):
         both algorithms stay on the CPU here (`_step_counts_on_the_cpu`).
         """
         warn_of_numpy_scalars(self.param_groups)
+        placements = self._placements()
         try:
             check_group_settings(self.param_groups)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
+            new = {id(g): [p for p in g["params"] if p.grad is not None and not self.state.get(p)]
+                   for g in self.param_groups}
+            for g in self.param_groups:
+                if g["algorithm"] == "fismo":
+                    self._check_new_matrices(new[id(g)])
         except (TypeError, ValueError) as exc:
             raise through_dynamo(exc) from exc
         self._step_counts_on_the_cpu()
-        placements = self._placements()
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
-                for p in group["params"]:
-                    if p.grad is not None and not self.state[p]:
-                        init_adamw_state(self.state[p], p, group)
+                for p in new[id(group)]:
+                    init_adamw_state(self.state[p], p, group)
             else:
                 core = cores[id(group)]
-                for p in group["params"]:
-                    if p.grad is not None and not self.state.get(p) and not placements[p].distributed:
+                for p in new[id(group)]:
+                    if not placements[p].distributed:
                         self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
 
     def _step_counts_on_the_cpu(self) -> None:
@@ -593,6 +602,8 @@ class FISMO(Optimizer):
         first, so that the step can remove them again if it raises."""
         core = self._core_for(group)
         plan = _GroupStep(group, core)
+        if not torch.compiler.is_compiling():  # compiled, _init_group checked the local ones at trace time
+            self._check_new_matrices([p for p in group["params"] if p.grad is not None and not self.state.get(p)])
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -691,6 +702,14 @@ class FISMO(Optimizer):
             if work is not None:
                 work.wait()
             finish()
+
+    def _check_new_matrices(self, params: list) -> None:
+        """FISMO parameters about to get a state, checked as `add_param_group` checks them.
+
+        A tensor appended to a group's ``params`` list skipped that check; unchecked, a
+        vector or a self-overlapping tensor raised deep in the step without its name."""
+        for p in params:
+            validate_matrix_param(p, self._label(p))
 
     def _label(self, p: torch.Tensor) -> str:
         """How error messages name parameter ``p``."""

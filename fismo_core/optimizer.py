@@ -537,7 +537,10 @@ def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, lo
     except OverflowError:
         finite = False
     if not finite:
-        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+        # An array (a torch tensor, a 0-d NumPy or JAX array) may hold a fine value: say the type is the problem.
+        array = hasattr(value, "shape") and not isinstance(value, numbers.Real)
+        kind = f" (a Python number, not an array of shape {tuple(value.shape)})" if array else ""
+        raise ValueError(f"{name} must be a finite real number{kind}, got {value!r}")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
         upper = "inf)" if high == math.inf else f"{high}]"

@@ -280,6 +280,11 @@ HYPERPARAMETER_ERRORS = [
     ({"weight_decay": -0.1}, ValueError, r"weight_decay must lie in \[0\.0, inf\)"),
     ({"weight_decay": math.nan}, ValueError, r"weight_decay must be a finite real number"),
     ({"weight_decay": True}, ValueError, r"weight_decay must be a finite real number, got True"),
+    # an array where a number is wanted: the message says the type is the problem, not the value
+    ({"weight_decay": np.asarray(0.1)}, ValueError,
+     r"weight_decay must be a finite real number \(a Python number, not an array of shape \(\)\), got array\(0\.1\)"),
+    ({"mu": np.asarray([1e-3])}, ValueError, r"mu must be a finite real number \(a Python number, not an array of shape \(1,\)\)"),
+    ({"mu": np.float64(math.nan)}, ValueError, r"mu must be a finite real number, got np\.float64\(nan\)"),
     # nesterov is a bool
     ({"nesterov": 1}, TypeError, r"nesterov must be True or False, got 1"),
     ({"nesterov": "yes"}, TypeError, r"nesterov must be True or False, got 'yes'"),

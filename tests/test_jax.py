@@ -577,6 +577,8 @@ def test_optax_matrix_shape_for_flax_kernels() -> None:
     assert not bool(jnp.allclose(default_updates, updates))
     with pytest.raises(ValueError, match="does not have 96 elements"):
         fismo(0.02, matrix_shape=lambda s: (5, 5)).init(kernel)
+    with pytest.raises(ValueError, match=r"matrix_shape\(2, 2, 2, 12\) returned \(2, 12, 4\); it must return two sizes"):
+        fismo(0.02, matrix_shape=lambda s: (2, 12, 4)).init(kernel)  # was "too many values to unpack"
     assert isinstance(tx, optax.GradientTransformation)
 
 

@@ -393,6 +393,60 @@ def test_a_lazy_modules_uninitialised_weight_is_refused_with_what_to_do():
     assert [list(g["params"]) for g in param_groups(model, head=None)][0][0] is model[0].weight
 
 
+def test_a_group_edits_its_own_polar_and_inv_root_dicts():
+    """torch.optim copies group values by reference: every group that took the default ``polar`` shared one
+    dict with ``opt.defaults``, the groups added later and ``state_dict()``, so setting one group's Newton-Schulz
+    steps changed them all (and editing a saved state_dict changed the live optimizer)."""
+    A, B, C = (torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3))
+    opt = FISMO([{"params": [A]}, {"params": [B]}], lr=0.02)
+    opt.param_groups[0]["polar"]["steps"] = 1
+    saved = opt.state_dict()
+    saved["param_groups"][1]["inv_root"]["every"] = 7
+    opt.add_param_group({"params": [C]})
+    assert [g["polar"]["steps"] for g in opt.param_groups] == [1, 5, 5]
+    assert opt.defaults["polar"]["steps"] == 5
+    assert [g["inv_root"]["every"] for g in opt.param_groups] == [1, 1, 1]
+    assert saved["param_groups"][0]["polar"]["steps"] == 1
+    # A checkpoint whose groups share one dict (as saved before) loads into one dict per group.
+    shared = copy.deepcopy(opt.state_dict())
+    shared["param_groups"][2]["polar"] = shared["param_groups"][1]["polar"]
+    opt.load_state_dict(shared)
+    opt.param_groups[1]["polar"]["steps"] = 2
+    assert [g["polar"]["steps"] for g in opt.param_groups] == [1, 2, 5]
+    # The edit takes effect: group 1 now steps as an optimizer built with polar={"steps": 2}.
+    twin = torch.nn.Parameter(B.detach().clone())
+    reference = FISMO([twin], lr=0.02, polar={"steps": 2})
+    for p in (A, B, C, twin):
+        p.grad = torch.ones(4, 3) if p is not A else None
+    twin.grad = B.grad.clone()
+    opt.step()
+    reference.step()
+    assert torch.equal(B, twin)
+
+
+@pytest.mark.parametrize("algorithm", ["fismo", "adamw"])
+def test_a_self_overlapping_parameter_is_refused_before_anything_changes(algorithm):
+    """An expanded tensor (a stride of 0) cannot be updated in place: torch raised in the middle of the step,
+    after the parameters before it had stepped. Refused when the group is added, and, appended to a FISMO
+    group's list later, at its first step with nothing changed."""
+    expanded = torch.nn.Parameter(torch.randn(1, 3).expand(4, 3))
+    with pytest.raises(ValueError, match=r"parameter 1 of param group 0 has shape \(4, 3\) and strides \(0, 1\)"):
+        FISMO([{"params": [torch.nn.Parameter(torch.randn(4, 3)), expanded], "algorithm": algorithm}])
+    W = torch.nn.Parameter(torch.randn(4, 3))
+    opt = FISMO([W], lr=0.02)
+    W.grad = torch.randn(4, 3)
+    opt.step()
+    before, state = W.detach().clone(), copy.deepcopy(opt.state[W])
+    for appended in (expanded, torch.nn.Parameter(torch.randn(3))):
+        opt.param_groups[0]["params"].append(appended)
+        appended.grad = torch.randn(appended.shape)
+        with pytest.raises(ValueError, match=r"parameter 1 of param group 0 \(shape"):
+            opt.step()
+        assert torch.equal(W, before) and torch.equal(opt.state[W]["M"], state["M"])
+        assert int(opt.state[W]["step"]) == int(state["step"]) and appended not in opt.state
+        opt.param_groups[0]["params"].pop()
+
+
 def test_sparse_gradient_raises_before_anything_changes():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     lin = torch.nn.Linear(4, 4, bias=False)
@@ -501,6 +555,12 @@ def test_param_groups_puts_the_output_head_on_adamw_by_default():
     opt.step()
     assert set(opt.state[mlp[2].weight]) == {"step", "exp_avg", "exp_avg_sq"}
     assert "P" in opt.state[mlp[0].weight]
+
+
+def test_param_groups_of_a_list_says_it_takes_a_model():
+    """A list of tensors gave a raw ``AttributeError: 'list' object has no attribute 'modules'``."""
+    with pytest.raises(TypeError, match=r"param_groups takes the model \(a torch\.nn\.Module\), got list"):
+        param_groups([torch.nn.Parameter(torch.randn(4, 3))])
 
 
 def test_param_groups_head_override():
