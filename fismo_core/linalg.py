@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Optional, Union
 
 from array_api_compat import array_namespace, device
@@ -118,11 +118,18 @@ def whiten(X: Array, left: Array, right: Array) -> Array:
     Algorithm 1 line 6 (``G~ = P^{-1/2} G Q^{-1/2}``) and the un-whitening of
     line 8 (``P^{-1/2} Polar(M) Q^{-1/2}``). The association is fixed as
     ``(left @ X) @ right`` so every backend rounds the same way. All three
-    must come from one array library and live on one device.
+    must come from one array library, live on one device and share one dtype
+    (the result's: NumPy and JAX promoted a float32 ``X`` to float64 where
+    torch raised).
     """
     for array, name in ((X, "X"), (left, "left"), (right, "right")):
         _check_float_matrices(array, name)
     _check_same_namespace_and_device(X, left, right)
+    if not X.dtype == left.dtype == right.dtype:
+        raise TypeError(
+            "whiten: X, left and right must share one dtype, got "
+            f"{_dtype_name(X.dtype)}, {_dtype_name(left.dtype)} and {_dtype_name(right.dtype)}"
+        )
     return (left @ X) @ right
 
 
@@ -378,8 +385,14 @@ def _check_positive_definite(xp: Any, A: Array, w: Array, function: str) -> None
     label, first = _first_failure(xp, failed, tuple(w.shape[:-1]), "A")
     value = float(xp.reshape(ratio, (-1,))[first])
     dtype = _dtype_name(A.dtype)
-    if float(xp.reshape(largest, (-1,))[first]) == 0:
+    largest_first = float(xp.reshape(largest, (-1,))[first])
+    if largest_first == 0:
         problem = "is zero (singular)"
+    elif math.isinf(largest_first):  # entries near the dtype's max: not singular, out of range
+        problem = (
+            f"has an eigenvalue beyond {dtype}'s range (max|A| = {float(xp.max(xp.abs(_matrix(xp, A, first)))):.3g}): "
+            "scale it down: inverse_sqrt(A) = inverse_sqrt(A / c) / sqrt(c)"
+        )
     elif value < -tolerance:  # beyond rounding: a negative eigenvalue
         problem = f"is not positive definite: lambda_min / max|lambda| = {value:.2g} (a negative eigenvalue, {dtype})"
     else:
@@ -624,6 +637,15 @@ def polar(
         _checks_can_run(xp, X, "X", "polar")
     if method == "svd":
         X_exact = _exact_dtype(xp, X)
+        if X.shape[-1] and X.shape[-2]:
+            # Entries past sqrt of the dtype's max may make s_max infinite, and the cut then dropped every
+            # singular value (a zero result). Such X are decomposed divided by a power of two s^2 (exact, and
+            # polar(X / s^2) = polar(X)); every other X as it is, bit for bit. Twice by s, not once by s^2:
+            # XLA divides by multiplying with the reciprocal, and 2^-1023 is subnormal (flushed to zero).
+            amax = xp.max(xp.abs(X_exact), axis=(-2, -1), keepdims=True)
+            huge = amax >= math.sqrt(float(xp.finfo(X_exact.dtype).max))
+            s = xp.where(huge, _pow2_of(xp.sqrt(amax)), xp.ones_like(amax))
+            X_exact = X_exact / s / s
         U, S, Vh = xp.linalg.svd(X_exact, full_matrices=False)
         if S.shape[-1] == 0:  # m or n is 0: nothing to cut
             return xp.astype(U @ Vh, X.dtype, copy=False)
@@ -765,9 +787,13 @@ def inverse_sqrt(
     if method not in ("eigh", "newton_schulz"):
         raise ValueError(f"unknown inverse_sqrt method {method!r}: use 'eigh' or 'newton_schulz'")
     # steps and coefficients are checked for "eigh" too, which ignores them: a typo never passes silently.
+    if isinstance(coefficients, Iterator):  # read twice below: the step count, then the schedule
+        coefficients = tuple(coefficients)
     schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
-    # The arguments are valid; now the values. A 0 x 0 matrix has nothing to check.
+    # The arguments are valid; now the values. A 0 x 0 matrix has nothing to check, nor to iterate on.
     checked = _check_flag(check) and A.shape[-1] > 0 and _checks_can_run(xp, A, "A", "inverse_sqrt")
+    if method == "newton_schulz" and A.shape[-1] == 0:
+        return xp.zeros_like(A)
     if checked or method == "newton_schulz":
         exponent = _max_exponent(A)
     if checked:

@@ -658,13 +658,20 @@ def _mismatch(value: Any, reference: Any, expected: _Expected, declared: Optiona
         want, want_name = getattr(xp, declared), declared
     elif reference.dtype.kind == "f":  # the inputs' floating dtype on this target
         want, want_name = expected.dtype, _dtype_name(expected.dtype)
-    else:  # integer, boolean, complex: the dtype NumPy float64 returns
+    elif reference.dtype.kind == "c" and _dtype_name(expected.dtype) in _COMPLEX_OF:  # rfft of float32: complex64
+        want_name = _COMPLEX_OF[_dtype_name(expected.dtype)]
+        want = getattr(xp, want_name)
+    else:  # integer, boolean (and complex for half precision): the dtype NumPy float64 returns
         want, want_name = getattr(xp, reference.dtype.name), reference.dtype.name
     if value.dtype != want:
         problems.append(f"dtype {_dtype_name(value.dtype)}, expected {want_name}")
     if tuple(value.shape) != reference.shape:
         problems.append(f"shape {tuple(value.shape)}, expected {reference.shape}")
     return "; ".join(problems) or None
+
+
+_COMPLEX_OF = {"float32": "complex64", "float64": "complex128"}
+"""The complex dtype whose parts have a floating dtype: what a complex output of a target of that dtype has."""
 
 
 def _value_error(value: Any, reference: Any) -> float:
@@ -736,8 +743,10 @@ def check_backends(
     name from `DTYPE_NAMES` for every array output (``"float64"`` for a
     function that always returns float64), or a mapping from output names
     as the report writes them (``"output[1]"``) to dtype names. An
-    undeclared output that is not floating on NumPy float64 (indices,
-    masks) must have the dtype it has there.
+    undeclared complex output must have the complex dtype of the target's
+    floating one (``complex64`` on float32, as ``rfft`` gives); an
+    undeclared output that is neither floating nor complex on NumPy float64
+    (indices, masks) must have the dtype it has there.
 
     ``targets`` defaults to `targets()` (unavailable ones are reported as
     skipped). Matrix products run in true float32 (`full_float32_matmuls`).

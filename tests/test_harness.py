@@ -407,6 +407,24 @@ def test_index_and_mask_outputs_keep_numpys_dtype() -> None:
     assert check_backends(narrow_indices, X, targets=NUMPY[1:], out_dtypes="int32").ok
 
 
+def test_a_complex_output_has_the_complex_dtype_of_the_targets_floating_one() -> None:
+    """rfft of float32 is complex64 in every array API library; the harness expected NumPy float64's
+    complex128 on every target, so a correct function failed every float32 row, whatever out_dtypes said."""
+
+    def spectrum(x: Any) -> Any:
+        return array_namespace(x).fft.rfft(x, axis=-1)
+
+    assert check_backends(spectrum, X, targets=AVAILABLE).ok
+
+    def always_complex128(x: Any) -> Any:
+        xp = array_namespace(x)
+        return xp.astype(x, xp.complex128)
+
+    report = check_backends(always_complex128, X, targets=NUMPY)
+    assert [r.verdict for r in report] == ["pass", "FAIL at output: dtype complex128, expected complex64"]
+    assert check_backends(always_complex128, X, targets=NUMPY, out_dtypes="complex128").ok
+
+
 def test_python_numbers_are_compared_by_value_and_type() -> None:
     def total(x: Any) -> Any:
         return float(array_namespace(x).sum(x))

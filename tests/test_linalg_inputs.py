@@ -32,6 +32,7 @@ from fismo_core.linalg import (
     inverse_sqrt_tolerance,
     newton_schulz_schedule,
     polar,
+    whiten,
 )
 from fismo_core.testing import Target, to_numpy
 
@@ -275,6 +276,59 @@ def test_newton_schulz_root_at_the_ends_of_the_dtype(target: Target) -> None:
         Z = to_numpy(inverse_sqrt(A, method="newton_schulz"))
         np.testing.assert_allclose(np.diag(Z), np.full(3, 1 / math.sqrt(c)), rtol=4 * float(finfo.eps))
         assert np.count_nonzero(Z - np.diag(np.diag(Z))) == 0
+
+
+def test_polar_svd_of_a_matrix_whose_norm_overflows(target: Target) -> None:
+    """Entries near the dtype's max: s_max was infinite, the cut rtol * s_max dropped every singular value
+    and ``method="svd"`` returned zeros. Decomposed as X / 2^k it gives polar(X); an X below sqrt(max) is
+    decomposed as it is, bit for bit (the check of the SVD's input makes no other change)."""
+    finfo = np.finfo(target.dtype)
+    base = np.array([[1.0, 0.6], [0.6, 1.0]])  # SPD, kappa = 4: its polar factor is the identity
+    huge = target.asarray((base * (float(finfo.max) / 1.5)).astype(target.dtype))
+    # The identity to the accuracy of a 2 x 2 SVD (a few eps; 8 eps leaves room for float32's LAPACK).
+    np.testing.assert_allclose(to_numpy(polar(huge, method="svd")), np.eye(2), atol=8 * float(finfo.eps))
+    X = target.asarray(np.random.default_rng(12).standard_normal((3, 5)).astype(target.dtype) * 1e3)
+    xp = target.xp
+    U, _, Vh = xp.linalg.svd(X, full_matrices=False)
+    assert np.array_equal(to_numpy(polar(X, method="svd")), to_numpy(U @ Vh))
+
+
+def test_inverse_sqrt_eigh_names_an_eigenvalue_beyond_the_range() -> None:
+    """eigh of an SPD matrix of entries near float64's max has an infinite eigenvalue; the check refused it
+    as "singular to working precision" (its kappa is 4) and now says what happened and what to do."""
+    base = np.array([[1.0, 0.6], [0.6, 1.0]])
+    A = base * 1.2e308
+    message = refusal(inverse_sqrt, A)
+    assert "has an eigenvalue beyond float64's range (max|A| = 1.2e+308)" in message, message
+    assert "inverse_sqrt(A) = inverse_sqrt(A / c) / sqrt(c)" in message
+    # What the message says to do gives the root, base^(-1/2) / sqrt(1.2e308), to float64's rounding.
+    np.testing.assert_allclose(inverse_sqrt(A / 1e300) / math.sqrt(1e300), inverse_sqrt(base) / math.sqrt(1.2e308),
+                               rtol=1e-14)
+
+
+@pytest.mark.parametrize("shape", [(0, 0), (2, 0, 0)], ids=str)
+def test_inverse_sqrt_newton_schulz_of_empty_matrices(target: Target, shape: tuple[int, ...]) -> None:
+    """A 0 x 0 matrix crashed the Newton-Schulz method (a max over no entries); it is empty, as with eigh."""
+    A = target.asarray(np.zeros(shape, dtype=target.dtype))
+    for check in (True, False):
+        assert tuple(inverse_sqrt(A, method="newton_schulz", check=check).shape) == shape
+
+
+def test_coefficients_given_as_an_iterator() -> None:
+    """inverse_sqrt read its coefficients twice (the step count, then the schedule): an iterator was empty
+    the second time and the error blamed ``steps``, which was not given."""
+    schedule = [(1.5, -0.5, 0.0)] * 12
+    A = np.diag([2.0, 0.5, 1.0])
+    expected = inverse_sqrt(A, method="newton_schulz", coefficients=schedule)
+    assert np.array_equal(inverse_sqrt(A, method="newton_schulz", coefficients=iter(schedule)), expected)
+
+
+def test_whiten_refuses_mixed_dtypes() -> None:
+    """NumPy and JAX promoted a float32 X to float64 where torch raised its own error: one rule for all."""
+    X, F = np.ones((3, 3), dtype=np.float32), np.eye(3)
+    with pytest.raises(TypeError, match=r"whiten: X, left and right must share one dtype, got float32, float64 and float64"):
+        whiten(X, F, F)
+    assert whiten(X, F.astype(np.float32), F.astype(np.float32)).dtype == np.float32
 
 
 # --- The switch ----------------------------------------------------------------------------------
