@@ -800,6 +800,8 @@ def check_backends(
     import numpy as np
 
     tolerances = TOLERANCES if tolerances is None else tolerances
+    if isinstance(targets, Target):
+        raise TypeError(f"targets must be a list of Target, got the Target {targets.id} alone: pass [target]")
     chosen = _all_targets() if targets is None else list(targets)
     for t in chosen:
         if t.dtype not in tolerances:
@@ -811,7 +813,8 @@ def check_backends(
 
     if not any(floating(v) for v in (*args, *kwargs.values())):
         raise ValueError("check_backends needs at least one floating NumPy array among the arguments of fn: "
-                         "those are what it converts to each target")
+                         "those are what it converts to each target (arrays inside lists, tuples or dicts are "
+                         "not converted: pass them as arguments of their own)")
 
     def convert(asarray: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any], list[Any]]:
         """``fn``'s arguments with the floating arrays converted, and those converted arrays.

@@ -475,6 +475,10 @@ def test_bad_arguments_are_refused_before_fn_runs() -> None:
 
     with pytest.raises(ValueError, match="needs at least one floating NumPy array"):
         check_backends(f, [1.0, 2.0], targets=NUMPY)
+    with pytest.raises(ValueError, match=r"arrays inside lists, tuples or dicts are not converted"):
+        check_backends(f, [X], targets=NUMPY)
+    with pytest.raises(TypeError, match=r"got the Target numpy-cpu-float64 alone: pass \[target\]"):
+        check_backends(f, X, targets=NUMPY[0])  # was "'Target' object is not iterable"
     with pytest.raises(TypeError, match="out_dtypes must be a dtype name or a mapping"):
         check_backends(f, X, targets=NUMPY, out_dtypes=np.float32)
     with pytest.raises(ValueError, match=r"out_dtypes: unknown dtype name\(s\) \['float16'\]"):
