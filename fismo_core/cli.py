@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with NumPy float64; print the worst relative error and, on failure, the first step and line that "
         "left the tolerance. Exit status: 0 all passed, 1 a target failed, 2 usage or reference-file error.",
     )
-    verify.add_argument("--steps", type=int, default=None, help="steps of the Gaussian streams (default 50); the recorded streams run min(steps, 16)")
+    verify.add_argument("--steps", type=int, default=None,
+                        help="steps of the Gaussian streams (default 50); the recorded streams run min(steps, 16)")
     verify.add_argument("--seed", type=int, default=None, help="seed of the Gaussian streams (default 0)")
     verify.add_argument("--save", metavar="PATH", help="also write the NumPy float64 reference to PATH (.npz)")
     verify.add_argument(
