@@ -487,8 +487,7 @@ class FISMO(Optimizer):
         try:
             check_group_settings(self.param_groups)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
-            new = {id(g): [p for p in g["params"] if p.grad is not None and not self.state.get(p)]
-                   for g in self.param_groups}
+            new = {id(g): self._stateless(g) for g in self.param_groups}
             for g in self.param_groups:
                 if g["algorithm"] == "fismo":
                     self._check_new_matrices(new[id(g)])
@@ -603,7 +602,7 @@ class FISMO(Optimizer):
         core = self._core_for(group)
         plan = _GroupStep(group, core)
         if not torch.compiler.is_compiling():  # compiled, _init_group checked the local ones at trace time
-            self._check_new_matrices([p for p in group["params"] if p.grad is not None and not self.state.get(p)])
+            self._check_new_matrices(self._stateless(group))
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -702,6 +701,10 @@ class FISMO(Optimizer):
             if work is not None:
                 work.wait()
             finish()
+
+    def _stateless(self, group: dict) -> list:
+        """The parameters of ``group`` that have a gradient and no state yet: this step creates theirs."""
+        return [p for p in group["params"] if p.grad is not None and not self.state.get(p)]
 
     def _check_new_matrices(self, params: list) -> None:
         """FISMO parameters about to get a state, checked as `add_param_group` checks them.
