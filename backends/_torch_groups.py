@@ -83,17 +83,18 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def param_name(group: dict, index: int, group_index: int, *, located: bool = False) -> str:
+def param_name(group: dict, index: int, group_index: int, *, located: bool = False, shape: bool = True) -> str:
     """How error messages name parameter ``index`` of ``group``: its name when known, else index, group and shape.
 
     ``located``: a name is followed by the index, group and shape too (where a message must find the tensor).
+    ``shape=False``: no shape after an index (for messages that state the shape themselves).
     """
-    shape = tuple(group["params"][index].shape)
+    size = tuple(group["params"][index].shape)
     names = group.get("param_names")
     if names and index < len(names):
         name = f"parameter {names[index]!r}"
-        return f"{name} (index {index} in param group {group_index}, shape {shape})" if located else name
-    return f"parameter {index} of param group {group_index} (shape {shape})"
+        return f"{name} (index {index} in param group {group_index}, shape {size})" if located else name
+    return f"parameter {index} of param group {group_index}" + (f" (shape {size})" if shape else "")
 
 
 # ---------------------------------------------------------------- the core of a group

@@ -712,14 +712,14 @@ class FISMO(Optimizer):
         A tensor appended to a group's ``params`` list skipped that check; unchecked, a
         vector or a self-overlapping tensor raised deep in the step without its name."""
         for p in params:
-            validate_matrix_param(p, self._label(p))
+            validate_matrix_param(p, self._label(p, shape=False))  # its messages state the shape
 
-    def _label(self, p: torch.Tensor) -> str:
-        """How error messages name parameter ``p``."""
+    def _label(self, p: torch.Tensor, *, shape: bool = True) -> str:
+        """How error messages name parameter ``p`` (`param_name`)."""
         for gi, group in enumerate(self.param_groups):
             for i, q in enumerate(group["params"]):
                 if q is p:
-                    return param_name(group, i, gi)
+                    return param_name(group, i, gi, shape=shape)
         return f"a parameter of shape {tuple(p.shape)}"
 
     def _matrix_state(self, core: _CoreFISMO, p: torch.Tensor, G: torch.Tensor) -> dict:

@@ -54,15 +54,18 @@ def xp(target: Target):
     return target.xp
 
 
-@pytest.fixture(scope="module")
-def single_threaded_torch():
-    """torch (and NumPy's BLAS) on one thread for a module of small-matrix tests, restored afterwards.
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_test_process():
+    """torch's and NumPy's BLAS/OpenMP pools on one thread in every test process.
 
-    On a busy 2-core machine (XLA's thread pool is alive once JAX has run)
-    torch's spinning OpenMP workers made single tests 10-100x slower, and
-    OpenBLAS's did the same to NumPy's 48- and 64-wide ``eigh``; the
-    arithmetic of these small products does not depend on the thread count.
-    NumPy's BLAS is reached through ``threadpoolctl`` when it is installed.
+    The README runs the suite with one pytest-xdist worker per core: each
+    worker's own pools made as many threads again, and on a busy 2-core
+    machine (XLA's thread pool is alive once JAX has run) torch's spinning
+    OpenMP workers made single tests 10-100x slower, as OpenBLAS's did to
+    NumPy's 48- and 64-wide ``eigh``. The tests' matrices are small: their
+    arithmetic does not depend on the thread count. Subprocesses (the
+    distributed ranks, the CLI) choose their own. NumPy's BLAS is reached
+    through ``threadpoolctl`` when it is installed.
     """
     from fismo_core.verify import _one_thread
 

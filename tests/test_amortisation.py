@@ -34,8 +34,6 @@ import pytest
 from fismo_core import FISMO, InverseRootConfig, linalg
 from fismo_core.testing import Target, to_numpy
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
-
 ARRAY_FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
 EVERY = 3
 STEPS = 10

@@ -39,7 +39,6 @@ from fismo_core.verify import QUANTITIES, Reference, _stepper, default_streams, 
 STEPS = 50
 
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 STATE_FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
 STREAMS = default_streams(STEPS)
 STREAM_IDS = [s.name for s in STREAMS]

@@ -48,19 +48,6 @@ def _assert_same(state_a: FISMOState, state_b: FISMOState) -> None:
         assert a.dtype == b.dtype and np.array_equal(a, b), f
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ====================================================================== the core
 def test_npz_round_trip_resumes_bit_identically(target: Target) -> None:
     """Save W and the state after 3 of 6 steps with ``np.savez``, load them back onto the backend

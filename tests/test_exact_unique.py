@@ -27,9 +27,6 @@ from fismo_core import FISMO
 from fismo_core.linalg import POLAR_EXPRESS_COEFFICIENTS, default_polar_rtol, polar
 from fismo_core.testing import TOLERANCES, Target, targets, to_numpy
 
-# Small matrices: torch's spinning OpenMP workers only slow them down (see tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
-
 EPS = {"float64": float(np.finfo(np.float64).eps), "float32": float(np.finfo(np.float32).eps)}
 
 

@@ -68,7 +68,7 @@ def run_side_by_side(target, shape, steps: int, fast: FISMO, exact: FISMO):
 
 @pytest.mark.parametrize("shape", [(16, 24), (3, 8, 12)], ids=str)
 @pytest.mark.parametrize("target", FAST_PATH_TARGETS)
-def test_newton_schulz_roots_track_eigh_for_1000_steps(target, shape, single_threaded_torch) -> None:
+def test_newton_schulz_roots_track_eigh_for_1000_steps(target, shape) -> None:
     fast = FISMO(inv_root="newton_schulz", nonfinite="propagate")
     exact = FISMO(nonfinite="propagate")
     roots, states, directions = [], [], []
@@ -92,7 +92,7 @@ def test_newton_schulz_roots_track_eigh_for_1000_steps(target, shape, single_thr
 
 @pytest.mark.parametrize("shape", [(16, 24), (24, 16)], ids=str)
 @pytest.mark.parametrize("target", FAST_PATH_TARGETS)
-def test_polar_express_polar_tracks_svd(target, shape, single_threaded_torch) -> None:
+def test_polar_express_polar_tracks_svd(target, shape) -> None:
     """Polar Express (8 steps) in line 8 against the exact polar factor, 300 steps. Measured: at
     most 4.2e-15 to 4.4e-15 (float64) and 1.5e-6 to 1.9e-6 (float32; ranges over the CPU kernel sets)
     relative difference of the directions (the

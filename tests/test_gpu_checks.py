@@ -200,7 +200,7 @@ def test_performance_tables_reads_the_tables_performance_py_prints(capsys):
 
 
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
-def test_compiled_step_check_on_cpu(single_threaded_torch):
+def test_compiled_step_check_on_cpu():
     """Stage 3's check, with dynamo's ``eager`` backend on the CPU (the GPU runs inductor with CUDA
     graphs): one graph, no break, no recompile after the first step, no host read
     under ``nonfinite="propagate"``, and the compiled parameters equal to the eager ones bit for bit
@@ -224,7 +224,7 @@ def test_compiled_step_check_on_cpu(single_threaded_torch):
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
 @pytest.mark.parametrize("config", ["training, propagate", "propagate, compiled after 2 eager steps",
                                     "propagate, AdamW biases"])
-def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps(single_threaded_torch, config):
+def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps(config):
     """Stage 3's other configurations, as above on the CPU: ``FISMO.training`` (its roots recomputed at
     step 11, inside the one graph), and a compile that finds the states of two eager steps (one graph,
     and every step count still on the CPU), and AdamW groups beside the matrices. The training
@@ -248,7 +248,7 @@ def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps
 
 
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
-def test_compiled_step_check_with_inductor_lite_on_cpu(single_threaded_torch):
+def test_compiled_step_check_with_inductor_lite_on_cpu():
     """The lite configuration as the stage builds it (inductor's lite mode, CUDA graphs asked for, which a
     CPU graph skips without it being a problem there): one graph, and on the tiny GPT the compiled
     parameters equal the eager ones bit for bit, as ATen's kernels run on both sides."""
@@ -275,7 +275,7 @@ def test_the_compile_stage_plan_fits_a_short_loan():
 
 
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
-def test_compiled_step_check_reports_host_reads_and_a_compile_that_fails(single_threaded_torch, monkeypatch):
+def test_compiled_step_check_reports_host_reads_and_a_compile_that_fails(monkeypatch):
     """The default configuration reads the device (its finiteness and root checks): under
     ``fullgraph=True`` that cannot trace, and the eager step's host reads are counted."""
     pytest.importorskip("torch._dynamo")

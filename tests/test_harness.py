@@ -36,8 +36,6 @@ from fismo_core.testing import (
 )
 from fismo_core.verify import gaussian_streams, run_stream
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
-
 AVAILABLE = [t for t in targets() if t.available]
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((3, 8, 5))

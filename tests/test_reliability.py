@@ -70,30 +70,6 @@ def _run(opt: FISMO, target: Target, W0: np.ndarray, grads: list) -> tuple:
     return _np(W), state, directions
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small matrices: one BLAS/torch thread is faster, and immune to other jobs on a 2-core machine
-    (measured: OpenBLAS's two threads, with the cores busy, made a 500x500 eigh 100x slower)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
-        limits = None
-    else:
-        limits = threadpool_limits(1)
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    before = torch.get_num_threads() if torch is not None else None
-    if torch is not None:
-        torch.set_num_threads(1)
-    yield
-    if torch is not None:
-        torch.set_num_threads(before)
-    if limits is not None:
-        limits.restore_original_limits()
-
-
 # ========================================================== 1. non-finite gradients
 def test_skip_policy_skips_only_the_bad_matrices_of_a_batch(target: Target) -> None:
     """``nonfinite="skip"``: in a batch of 3, the matrices with a NaN and an inf keep W, P, Q, M and

@@ -255,14 +255,9 @@ def test_resume_in_one_process(runs, single_process, name):
     """A distributed checkpoint resumed by a plain model in a process without torch.distributed."""
     model = _model()
     opt = _optimizer(model)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _load(model, opt, runs["tmp"] / "ckpt" / name)
-        X, Y = _data()
-        _train(model, opt, X, Y, range(RESUME_AT, STEPS))
-    finally:
-        torch.set_num_threads(before)
+    _load(model, opt, runs["tmp"] / "ckpt" / name)
+    X, Y = _data()
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
     assert _worst([p.detach() for p in model.parameters()], single_process) <= TOL
 
 
@@ -277,13 +272,8 @@ def test_a_consolidated_checkpoint_resumes_in_one_process(runs, single_process):
     opt = _optimizer(model)
     set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
                    options=_full_options())
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        X, Y = _data()
-        _train(model, opt, X, Y, range(RESUME_AT, STEPS))
-    finally:
-        torch.set_num_threads(before)
+    X, Y = _data()
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
     assert _worst([p.detach() for p in model.parameters()], single_process) <= TOL
 
 

@@ -440,7 +440,7 @@ def test_a_self_overlapping_parameter_is_refused_before_anything_changes(algorit
     for appended in (expanded, torch.nn.Parameter(torch.randn(3))):
         opt.param_groups[0]["params"].append(appended)
         appended.grad = torch.randn(appended.shape)
-        with pytest.raises(ValueError, match=r"parameter 1 of param group 0 \(shape"):
+        with pytest.raises(ValueError, match=r"parameter 1 of param group 0 has shape \((4, 3|3,)\)"):
             opt.step()
         assert torch.equal(W, before) and torch.equal(opt.state[W]["M"], state["M"])
         assert int(opt.state[W]["step"]) == int(state["step"]) and appended not in opt.state

@@ -26,9 +26,6 @@ from fismo_core.optimizer import training_options
 from fismo_core.testing import Target, to_numpy
 from test_algorithm import TOL_MUON, _check_close, _muon_case, _muon_reference, _rel
 
-# Small matrices: torch and NumPy's BLAS on one thread (spinning OpenMP workers on a busy machine, conftest.py).
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
-
 #: The configuration, written out here (not read from the code under test).
 SETTINGS = {"statistics": "scale_invariant", "nesterov": True, "weight_decay": 0.1, "mu": 0.1, "every": 10,
             "block_size": 512}

@@ -53,8 +53,6 @@ AVAILABLE = [t for t in targets() if t.available]
 UNAVAILABLE = [t for t in targets() if not t.available]
 RECORDED = {"digits.head", "digits.conv2", "gpt.attn", "gpt.proj", "gpt.fc_out"}
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
-
 
 @pytest.fixture(scope="module")
 def results():
