@@ -2,20 +2,25 @@
 
 Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]: `traced_refresh`, lines 4-8 of a
 bucket whose inverse roots are due every ``k`` steps, with the decision kept in the graph;
-`through_dynamo` and `warn_of_numpy_scalars`, for the settings ``_init_group`` checks at trace time. The
+`through_dynamo` and `warn_of_numpy_scalars`, for the settings ``_init_group`` checks at trace time;
+`substitute_array_api_compat_lookups`, which dynamo traces in place of array-api-compat's. The
 optimizer's ``_init_group`` and ``_static_shapes``, which dynamo's tracing of ``step`` calls, stay
 methods of ``FISMO``. See "torch.compile" in ``docs/torch.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import array_api_compat
 import torch
+from array_api_compat import torch as _compat_torch
 
 from fismo_core import guards as _guards
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
@@ -118,3 +123,65 @@ def _refusal_class(base: type) -> type | None:
         return None
     return type(base.__name__, (base, _UserError), {"__init__": _UserError.__init__, "__module__": __name__})
 
+
+
+def _copy_of(function: types.FunctionType) -> types.FunctionType:
+    """``function`` as another object (same code, globals and defaults): dynamo traces it as it is, where a
+    substitute registered for ``function`` would be called again."""
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+def substitute_array_api_compat_lookups() -> bool:
+    """Have dynamo trace the core's lookups of torch tensors' namespace and device as one ``isinstance``.
+
+    The core asks array-api-compat for the namespace and the device of its arrays in every function
+    (``array_namespace``, ``device``, ``is_array_api_obj``), and ``guards.nan_is_the_answer`` asks it
+    whether a namespace is NumPy's. Traced, each call ran array-api-compat's type lookups
+    (``sys.modules``, ``getattr``, ``issubclass``, in ``lru_cache``-wrapped helpers): about half of the
+    bytecode dynamo steps through in a FISMO step, for the same graph, and the 12 warnings "Dynamo detected
+    a call to a `functools.lru_cache`-wrapped function" of a first compile (``docs/torch.md``,
+    "Tracing"). The substitutes give what those functions give for torch tensors (``array_api_compat.torch``,
+    ``x.device``, ``True``, no NumPy error state) and trace an unchanged copy of them for anything else
+    (another library's arrays, a version or ``use_compat`` asked for). Eagerly nothing changes.
+    Registered once per process, at the import of the torch adapter; ``False`` where this torch has no
+    ``torch.compiler.substitute_in_graph`` (before 2.5) or where another library registered substitutes
+    for these functions first.
+    """
+    substitute = getattr(torch.compiler, "substitute_in_graph", None)
+    if substitute is None:  # pragma: no cover - torch < 2.5
+        return False
+    originals = (array_api_compat.array_namespace, array_api_compat.device, array_api_compat.is_array_api_obj,
+                 _guards.nan_is_the_answer)
+    namespace_of, device_of, is_array_of, nan_context_of = (_copy_of(f) for f in originals)
+
+    def array_namespace(*xs: Any, api_version: str | None = None, use_compat: bool | None = None) -> Any:
+        if xs and api_version is None and use_compat is None:
+            for x in xs:
+                if not isinstance(x, torch.Tensor):
+                    break
+            else:
+                return _compat_torch
+        return namespace_of(*xs, api_version=api_version, use_compat=use_compat)
+
+    def device(x: Any, /) -> Any:
+        return x.device if isinstance(x, torch.Tensor) else device_of(x)
+
+    def is_array_api_obj(x: Any) -> bool:
+        return True if isinstance(x, torch.Tensor) else is_array_of(x)
+
+    def nan_is_the_answer(xp: Any) -> Any:
+        return contextlib.nullcontext() if xp is _compat_torch else nan_context_of(xp)
+
+    try:
+        for original, replacement in zip(originals, (array_namespace, device, is_array_api_obj,
+                                                     nan_is_the_answer)):
+            substitute(original)(replacement)
+    except (ValueError, TypeError):  # pragma: no cover - registered already (another library)
+        return False
+    return True
+
+
+SUBSTITUTED = substitute_array_api_compat_lookups()
