@@ -124,7 +124,6 @@ def _refusal_class(base: type) -> type | None:
     return type(base.__name__, (base, _UserError), {"__init__": _UserError.__init__, "__module__": __name__})
 
 
-
 def _copy_of(function: types.FunctionType) -> types.FunctionType:
     """``function`` as another object (same code, globals and defaults): dynamo traces it as it is, where a
     substitute registered for ``function`` would be called again."""
