@@ -165,13 +165,15 @@ def newton_schulz_schedule(
 
 
 def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
-    """Per matrix, from ``amax = max|X|`` (``(..., 1, 1)``), the power of two ``s = 2^floor(log2 max(amax, floor))``.
+    """Per matrix, from ``amax = max|X|`` (``(..., 1, 1)``), the power of two ``s = 2^floor(log2 max(amax, floor))``,
+    at most ``2^-log2(smallest normal)`` (`_capped`).
 
     With the default ``floor`` 1, ``s`` is 1 unless ``max|X| >= 2``; a ``floor`` below 1 (> 0) scales
     small matrices up too (the polar factor's normalisation, down to its ``eps``). Dividing by ``s``
     (and multiplying back) is exact in binary floating point, barring subnormals, so a computation on
     ``X / s`` rescaled afterwards rounds exactly as the computation on ``X`` wherever the latter does
-    not overflow or underflow; ``X / s`` has entries below 2, so its squares cannot overflow.
+    not overflow or underflow; ``X / s`` has entries below 2 (below 4 where the cap holds: ``max|X|`` in
+    the dtype's top binade), so its squares cannot overflow.
     Elementwise operations only: no host synchronisation. ``floor`` must be at least the dtype's
     smallest normal number: a smaller one rounds to zero (or is flushed, as XLA does), and a zero
     matrix then gives ``s = 0`` and ``0 / 0``.
@@ -179,7 +181,19 @@ def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
     xp = array_namespace(amax)
     # full_like, not the Python scalar: array-api-compat's torch maximum promotes a scalar through
     # torch.result_type, which torch.compile cannot trace (a graph break); the values are the same.
-    return 2.0 ** xp.floor(xp.log2(xp.maximum(amax, xp.full_like(amax, floor))))
+    return 2.0 ** _capped(xp, xp.floor(xp.log2(xp.maximum(amax, xp.full_like(amax, floor)))))
+
+
+def _capped(xp: Any, exponent: Array) -> Array:
+    """``exponent`` at most ``-log2`` of its dtype's smallest normal number (float64 1022, float32 126).
+
+    XLA divides by multiplying with the reciprocal and flushes subnormal numbers to zero: ``X / 2^k``
+    was zero on JAX for ``k`` = 1023 (float64; float32 127), whose reciprocal is subnormal. With the
+    cap the reciprocal of ``2^k`` is a normal number on every backend; ``k`` changes only for a
+    ``max|X|`` in the dtype's top binade (float64 from ``2^1023``).
+    """
+    top = -math.log2(float(xp.finfo(exponent.dtype).smallest_normal))
+    return xp.minimum(exponent, xp.full_like(exponent, top))
 
 
 def _exact_dtype(xp: Any, A: Array) -> Array:
@@ -328,16 +342,17 @@ def _checks_can_run(xp: Any, X: Array, name: str, function: str) -> bool:
 
 
 def _max_exponent(A: Array) -> Array:
-    """``k = floor(log2 max|A|)`` per matrix, shape ``(..., 1, 1)`` (0 where ``A`` is zero).
+    """``k = floor(log2 max|A|)`` per matrix, shape ``(..., 1, 1)`` (0 where ``A`` is zero), at most
+    ``-log2(smallest normal)`` (`_capped`: float64 1022).
 
-    ``A / 2^k`` has entries in ``[1, 2)`` at most: exact in binary floating point (barring
-    subnormals), so symmetry and the ratios of eigenvalues are unchanged, and its ``||.||_F``
-    can neither overflow nor underflow. The checks of `inverse_sqrt` run on ``A / 2^k``, its
+    ``A / 2^k`` has its largest entry in ``[1, 2)`` (in ``[2, 4)`` where the cap holds): exact in binary
+    floating point (barring subnormals), so symmetry and the ratios of eigenvalues are unchanged, and its
+    ``||.||_F`` can neither overflow nor underflow. The checks of `inverse_sqrt` run on ``A / 2^k``, its
     Newton–Schulz iteration on ``A / 4^floor(k/2)`` (whose root's factor is exact too).
     """
     xp = array_namespace(A)
     amax = xp.max(xp.abs(A), axis=(-2, -1), keepdims=True)
-    return xp.floor(xp.log2(xp.where(amax > 0, amax, xp.ones_like(amax))))
+    return _capped(xp, xp.floor(xp.log2(xp.where(amax > 0, amax, xp.ones_like(amax)))))
 
 
 def inverse_sqrt_tolerance(A: Array) -> float:

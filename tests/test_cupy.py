@@ -423,6 +423,7 @@ SYNC_FREE_ON_CUPY = {
     "isfinite": "an elementwise kernel (the finiteness check's bool() of the result is its host read)",
     "all": "a reduction kernel; the result stays on the device",
     "maximum": "an elementwise kernel",
+    "minimum": "cupy.minimum, an elementwise kernel (array-api-compat takes CuPy's own)",
     "asarray": "asarray(x, copy=True) of a device array in init: a device-to-device copy",
     "reshape": "reshape(G, G.shape, copy=True): ndarray.copy() (a device-to-device copy in C order), then cupy.reshape, a view",
     "linalg.trace": "cupy.trace, a reduction kernel",

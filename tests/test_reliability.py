@@ -467,6 +467,37 @@ def test_polar_of_tiny_matrices_with_a_smaller_eps(target: Target) -> None:
         assert np.array_equal(got, _np(linalg.polar(target.asarray(X), **options)))
 
 
+def test_matrices_in_the_dtypes_top_binade(target: Target) -> None:
+    """Largest entries in the dtype's top binade (float64 from 2^1023, float32 from 2^127). Their power-of-two
+    scale was 2^1023, whose reciprocal is subnormal: XLA, which divides by multiplying with the reciprocal and
+    flushes subnormals to zero, made ``X / 2^1023`` zero, so that on JAX Newton–Schulz's ``polar`` was NaN, its
+    ``inverse_sqrt`` refused the matrix as zero, and FISMO's step was zero (relative error 1 against the step
+    at 2^-100 of the gradients). At the dtype's largest number ``log2`` rounds up to 1024 (float32 128) and the
+    scale was infinite, on every backend: ``polar`` was not finite. The scale is capped at 2^1022 (float32
+    2^126): now each gives what it gives for the matrix divided by 2^100 (every scaling exact), bit for bit
+    for the functions and for FISMO (measured 0 on every CPU target: P and mu are negligible at both scales;
+    asserted to the bar of the huge-gradient test above)."""
+    finfo = np.finfo(target.dtype)
+    rng = np.random.default_rng(13)
+
+    def largest_entry(X: np.ndarray, value: float) -> np.ndarray:
+        return (X / np.abs(X).max() * value).astype(target.dtype)  # rounded first: / 2^100 is then exact
+
+    X = largest_entry(rng.standard_normal((4, 6)), float(finfo.max))
+    assert np.array_equal(_np(linalg.polar(target.asarray(X))), _np(linalg.polar(target.asarray(X * 2.0**-100))))
+    # Eigenvalues 1.25 and 0.75 of 1.5 * 2^1023 (float32 2^127): the largest is finite too.
+    A = largest_entry(np.array([[1.0, 0.25], [0.25, 1.0]]), 1.5 * 2.0 ** (finfo.maxexp - 1))
+    got = _np(linalg.inverse_sqrt(target.asarray(A), method="newton_schulz"))
+    assert np.array_equal(got, _np(linalg.inverse_sqrt(target.asarray(A * 2.0**-100), method="newton_schulz")) / 2.0**50)
+    grads = [largest_entry(rng.standard_normal((5, 5)), float(finfo.max)) for _ in range(2)]  # P, Q nonsingular
+    W0 = rng.standard_normal((5, 5))
+    W, state, _ = _run(FISMO(), target, W0, grads)
+    W_ref, state_ref, _ = _run(FISMO(), target, W0, [g * 2.0**-100 for g in grads])
+    assert max_relative_error(W - W0, W_ref - W0) <= 1e-10
+    for f in ("P", "Q"):
+        assert max_relative_error(getattr(state, f), getattr(state_ref, f)) <= 1e-10, f
+
+
 @pytest.mark.parametrize("k", [35, -42, 270, -330], ids=["4^35", "4^-42", "4^270", "4^-330"])
 def test_newton_schulz_inverse_root_at_any_scale(target: Target, k: int) -> None:
     """``inverse_sqrt(method="newton_schulz")`` iterates on A / 4^j (4^j <= max|A|): its ||A||_F can
