@@ -580,6 +580,29 @@ def test_newton_schulz_polar_of_a_large_float16_matrix_is_not_zero() -> None:
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, target.id
 
 
+def test_newton_schulz_polar_of_half_precision_matrices_up_to_the_largest_number() -> None:
+    """float16 and bfloat16 matrices whose largest entry is the dtype's largest number: ``log2`` of it rounds
+    up (float16 16, bfloat16 128), so the scale was that power of two, outside the range (infinite), and the
+    polar factor not finite, on NumPy, torch and JAX alike (measured before the cap of 2026-12-01). The scale is at
+    most 2^-log2(smallest normal) now (float16 2^14, bfloat16 2^126): the polar factor is that of the matrix
+    divided by 2^8, bit for bit (the scaling is exact)."""
+    X = np.random.default_rng(14).standard_normal((4, 6))
+    X = X / np.abs(X).max()
+    checked = 0
+    for target in (t for t in targets(dtypes=["float32"]) if t.available):
+        for name in ("float16", "bfloat16"):
+            half = getattr(target.xp, name, None)
+            if half is None:  # NumPy and array-api-strict have no bfloat16
+                continue
+            big = target.xp.astype(target.asarray(X), half) * float(target.xp.finfo(half).max)
+            assert float(target.xp.max(target.xp.abs(big))) == float(target.xp.finfo(half).max), target.id
+            got = to_numpy(target.xp.astype(polar(big), target.xp.float32))
+            want = to_numpy(target.xp.astype(polar(big / 2.0**8), target.xp.float32))
+            assert np.all(np.isfinite(got)) and np.array_equal(got, want), (target.id, name)
+            checked += 1
+    assert checked >= 3  # NumPy's float16 and torch's two at least (the test extra installs torch)
+
+
 # --- inverse_sqrt ---------------------------------------------------------------------------------
 
 INV_SQRT_KAPPAS = (1.0, 1e2, 1e4, 1e6, 1e8)
