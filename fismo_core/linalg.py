@@ -185,12 +185,14 @@ def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
 
 
 def _capped(xp: Any, exponent: Array) -> Array:
-    """``exponent`` at most ``-log2`` of its dtype's smallest normal number (float64 1022, float32 126).
+    """``exponent`` at most ``-log2`` of its dtype's smallest normal number (float64 1022, float32 and
+    bfloat16 126, float16 14).
 
     XLA divides by multiplying with the reciprocal and flushes subnormal numbers to zero: ``X / 2^k``
-    was zero on JAX for ``k`` = 1023 (float64; float32 127), whose reciprocal is subnormal. With the
-    cap the reciprocal of ``2^k`` is a normal number on every backend; ``k`` changes only for a
-    ``max|X|`` in the dtype's top binade (float64 from ``2^1023``).
+    was zero on JAX for ``k`` = 1023 (float64; float32 127), whose reciprocal is subnormal. And at the
+    dtype's largest number ``log2`` rounds up (float64 to 1024): ``2^k`` was infinite on every backend.
+    With the cap the reciprocal of ``2^k`` is a normal number; ``k`` changes only for a ``max|X|`` in
+    the dtype's top binade (float64 from ``2^1023``).
     """
     top = -math.log2(float(xp.finfo(exponent.dtype).smallest_normal))
     return xp.minimum(exponent, xp.full_like(exponent, top))
