@@ -263,8 +263,9 @@ def test_newton_schulz_root_at_the_ends_of_the_dtype(target: Target) -> None:
     """The iteration runs on A / 4^j; for max|A| the smallest subnormal (float32 2^-149), 4^j = 2^-150
     rounded to zero and the root was NaN with no error. Now c I gives c^(-1/2) I from the smallest
     subnormal to the largest value (twice the iteration's float32 / float64 accuracy on
-    the identity, measured 0 and 1 ulp). At the other end, c in the top binade (float64 from 2^1023) was
-    refused as zero on JAX (XLA flushed the subnormal reciprocal of its scale 2^1023; now capped at 2^1022)."""
+    the identity, measured 0 and 1 ulp). At the other end, before the scales' cap at 2^1022 (float32 2^126), c at
+    the largest value failed on every backend (log2 rounded up to 1024: an infinite scale), and on JAX a c in the
+    top binade (float64 from 2^1023) was refused as zero (XLA flushed the subnormal reciprocal of 2^1023)."""
     finfo = np.finfo(target.dtype)
     smallest = float(finfo.smallest_normal) * float(finfo.eps)
     for c in (smallest, 2 * smallest, float(finfo.smallest_normal), float(finfo.max) / 4, float(finfo.max)):

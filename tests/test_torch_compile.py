@@ -173,7 +173,8 @@ def test_a_first_compile_warns_of_no_lru_cache_of_array_api_compat(monkeypatch):
     from fismo_core.backends import _torch_compile
 
     if not _torch_compile.SUBSTITUTED:  # torch < 2.5 has no torch.compiler.substitute_in_graph (torch>=2.4 allowed)
-        pytest.skip("this torch has no torch.compiler.substitute_in_graph: dynamo traces array-api-compat itself")
+        pytest.skip("no substitutes registered (a torch without torch.compiler.substitute_in_graph, or another "
+                    "library's substitutes first): dynamo traces array-api-compat itself")
     monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
     model = _matrices_only()
     opt = FISMO(model.parameters(), lr=0.02, nonfinite="propagate", block_size=8,
