@@ -166,6 +166,46 @@ def _run_fsdp2(rank: int, X, Y) -> dict:
     }
 
 
+class _Branch(torch.nn.Module):
+    """A model whose middle matrix some ranks leave out of their forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.extra, self.head = (torch.nn.Linear(*s).double() for s in ((12, 8), (8, 8), (8, 1)))
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head(torch.tanh(self.extra(h)) if use_extra else h)
+
+
+def _branch_optimizer(model: torch.nn.Module, **kwargs):
+    """FISMO on the three matrices, AdamW on the biases."""
+    from fismo_core.backends.torch import FISMO, param_groups
+
+    return FISMO(param_groups(model, head=None), lr=LR, **kwargs)
+
+
+def _branch_losses(net, X, Y, use_extra: bool) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(net(X, use_extra), Y)
+
+
+def _run_ddp_unused_on_one_rank(rank: int, X, Y) -> dict:
+    """DDP with ``find_unused_parameters=True``: rank 1 leaves ``extra`` out of its forward pass. DDP gives
+    it the all-reduced gradient on rank 1 too, so both ranks step the same matrices (the broadcasts are
+    collectives: a matrix with a gradient on some ranks only would mismatch them)."""
+    model = _Branch()
+    net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = _branch_optimizer(model, process_group=dist.group.WORLD)
+    grads_present = []
+    for _ in range(3):
+        opt.zero_grad()
+        _branch_losses(net, X, Y, use_extra=rank == 0).backward()
+        grads_present.append(model.extra.weight.grad is not None)
+        opt.step()
+    return {"params": [_full(p) for p in model.parameters()], "extra grad present": grads_present}
+
+
 def _run_nan_in_one_shard(rank: int, X, Y) -> dict:
     """FSDP2, ``nonfinite="raise"``: a NaN in rank 1's shard of a gradient. Every rank refuses the step;
     what each rank's error says, and whether anything changed."""
@@ -204,7 +244,8 @@ def _worker(rank: int, store: str, out: str) -> None:
         X, Y = _data()
         X, Y = X.chunk(WORLD)[rank], Y.chunk(WORLD)[rank]  # each rank its half of the batch
         results = {"ddp": _run_ddp(rank, X, Y), "fsdp2": _run_fsdp2(rank, X, Y),
-                   "nan in one shard": _run_nan_in_one_shard(rank, X, Y)}
+                   "nan in one shard": _run_nan_in_one_shard(rank, X, Y),
+                   "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -269,6 +310,32 @@ def test_ranks_agree_and_equal_the_single_process_run(runs, single_process, mode
     for a, b in zip(first["params"], second["params"]):
         assert torch.equal(a, b)
     worst = max(_rel(a, b) for a, b in zip(first["params"], single_process))
+    assert worst <= 1e-10, worst
+
+
+def test_ddp_steps_a_matrix_one_rank_leaves_unused_on_every_rank(runs):
+    """With ``find_unused_parameters=True`` DDP fills the gradient of ``extra`` on rank 1, which left it out
+    of its forward pass, so both ranks step every matrix. The run equals one process whose loss is the mean
+    of the two ranks' losses (the all-reduce's average); 1e-10 is the project's float64 bar, against which a
+    matrix not stepped, or stepped with rank 0's gradient alone, is off by O(lr) = 5e-2."""
+    first, second = (r["ddp, unused on one rank"] for r in runs)
+    assert first["extra grad present"] == second["extra grad present"] == [True] * 3
+    for a, b in zip(first["params"], second["params"]):
+        assert torch.equal(a, b)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _Branch()
+        opt = _branch_optimizer(model)
+        (X0, X1), (Y0, Y1) = (t.chunk(WORLD) for t in _data())
+        for _ in range(3):
+            opt.zero_grad()
+            ((_branch_losses(model, X0, Y0, True) + _branch_losses(model, X1, Y1, False)) / WORLD).backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.equal(model.extra.weight, _Branch().extra.weight)
+    worst = max(_rel(a, b.detach()) for a, b in zip(first["params"], model.parameters()))
     assert worst <= 1e-10, worst
 
 
