@@ -347,7 +347,8 @@ def _max_exponent(A: Array) -> Array:
     """``k = floor(log2 max|A|)`` per matrix, shape ``(..., 1, 1)`` (0 where ``A`` is zero), at most
     ``-log2(smallest normal)`` (`_capped`: float64 1022).
 
-    ``A / 2^k`` has its largest entry in ``[1, 2)`` (in ``[2, 4)`` where the cap holds): exact in binary
+    ``A / 2^k`` has its largest entry in ``[1, 2)`` (in ``[1/2, 1)`` where ``log2`` rounds up, just below a
+    power of two; in ``[2, 4)`` where the cap holds): exact in binary
     floating point (barring subnormals), so symmetry and the ratios of eigenvalues are unchanged, and its
     ``||.||_F`` can neither overflow nor underflow. The checks of `inverse_sqrt` run on ``A / 2^k``, its
     Newton–Schulz iteration on ``A / 4^floor(k/2)`` (whose root's factor is exact too).
