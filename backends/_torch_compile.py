@@ -60,10 +60,12 @@ def traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.T
             if any(flag is not None for flag in result.faults):  # the caller (FISMO._fismo_compute) excludes it
                 raise RuntimeError("a traced refresh cannot return fault flags")
             out = torch.utils._pytree.tree_flatten((result.direction, result.state._replace(step=stacked_.step)))[0]
+            out = [x for x in out if isinstance(x, torch.Tensor)]
             # torch.cond's outputs may not alias its inputs (the roots kept, P and Q with gamma = 1), and
-            # both branches must lay them out alike: contiguous.
-            return tuple(x.clone(memory_format=torch.contiguous_format) if any(x is a for a in tensors)
-                         else x.contiguous() for x in out if isinstance(x, torch.Tensor))
+            # both branches must lay them out alike: contiguous. An output can only be its own input (the
+            # same field of the state; `unused` shapes them alike), so one comparison each, not all pairs.
+            return tuple(x.clone(memory_format=torch.contiguous_format) if x is a else x.contiguous()
+                         for x, a in zip(out, tensors))
         return branch
 
     def unused(*tensors: torch.Tensor) -> tuple:  # the other branch's shapes; every entry is replaced below

@@ -15,7 +15,7 @@ On the demo's byte-level GPT (2 layers, d = 64, 8 matrices; ``small_gpt_optimize
   change, and the step; AOT autograd and inductor would then work on the same graphs), medians of
   ``--repeats`` compiles after ``torch._dynamo.reset()``, one torch thread.
 
-    python docs/scripts/dynamo_tracing.py              # 6 to 11 minutes, the default configuration's half of it
+    python docs/scripts/dynamo_tracing.py              # 4 to 11 minutes, the default configuration's half of it
 """
 
 from __future__ import annotations
