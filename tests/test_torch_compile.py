@@ -185,6 +185,35 @@ def test_a_first_compile_warns_of_no_lru_cache_of_array_api_compat(monkeypatch):
     assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
 
 
+def test_the_cores_functions_compiled_directly_trace_the_substitutes_too(monkeypatch):
+    """The substitutes are registered for the process at the adapter's import, so ``torch.compile`` of the
+    core's own functions (here `linalg.polar` and `linalg.inverse_sqrt` with ``check=False``, as
+    docs/linalg.md advises) warns of no ``lru_cache`` either (5 warnings in a process that never imported
+    the adapter, 2026-12-01), in one graph equal to the eager call bit for bit."""
+    from fismo_core import linalg
+    from fismo_core.backends import _torch_compile
+
+    if not _torch_compile.SUBSTITUTED:
+        pytest.skip("no substitutes registered (a torch without torch.compiler.substitute_in_graph, or another "
+                    "library's substitutes first): dynamo traces array-api-compat itself")
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64)
+    A = X.mT @ X + torch.eye(4, dtype=torch.float64)
+
+    def both(X, A):
+        return linalg.polar(X, check=False), linalg.inverse_sqrt(A, check=False)
+
+    backend = CompileCounterWithBackend("eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(both, backend=backend, fullgraph=True)(X, A)
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    assert backend.frame_count == 1
+    for a, b in zip(compiled, both(X, A)):
+        assert torch.equal(a, b)
+
+
 def test_the_substitutes_return_what_array_api_compat_returns():
     """Traced, ``array_namespace``, ``device`` and ``is_array_api_obj`` give what they give eagerly: of torch
     tensors (with Python scalars and ``None`` among them, as array-api-compat allows), and through the
