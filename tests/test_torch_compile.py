@@ -162,6 +162,15 @@ def _assert_eager_numbers(model, twin) -> None:
         assert float((a - b).norm() / b.norm()) <= 1e-4
 
 
+def _skip_without_substitutes() -> None:
+    """Skip, with the reason, where the adapter registered no substitutes for array-api-compat's lookups."""
+    from fismo_core.backends import _torch_compile
+
+    if not _torch_compile.SUBSTITUTED:  # torch < 2.5 has no torch.compiler.substitute_in_graph (torch>=2.4 allowed)
+        pytest.skip("no substitutes registered (a torch without torch.compiler.substitute_in_graph, or another "
+                    "library's substitutes first): dynamo traces array-api-compat itself")
+
+
 def test_a_first_compile_warns_of_no_lru_cache_of_array_api_compat(monkeypatch):
     """Dynamo traces the torch adapter's substitutes for array-api-compat's lookups
     (``_torch_compile.substitute_array_api_compat_lookups``), not array-api-compat's ``lru_cache``-wrapped
@@ -170,11 +179,7 @@ def test_a_first_compile_warns_of_no_lru_cache_of_array_api_compat(monkeypatch):
     (12 for this optimizer; dynamo warns once per process and message: its record is emptied here).
     With the default's host reads some remain (5 of 13, docs/torch.md): after a graph break dynamo
     compiles each function the step then calls as a frame of its own, array-api-compat's among them."""
-    from fismo_core.backends import _torch_compile
-
-    if not _torch_compile.SUBSTITUTED:  # torch < 2.5 has no torch.compiler.substitute_in_graph (torch>=2.4 allowed)
-        pytest.skip("no substitutes registered (a torch without torch.compiler.substitute_in_graph, or another "
-                    "library's substitutes first): dynamo traces array-api-compat itself")
+    _skip_without_substitutes()
     monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
     model = _matrices_only()
     opt = FISMO(model.parameters(), lr=0.02, nonfinite="propagate", block_size=8,
@@ -191,11 +196,8 @@ def test_the_cores_functions_compiled_directly_trace_the_substitutes_too(monkeyp
     docs/linalg.md advises) warns of no ``lru_cache`` either (5 warnings in a process that never imported
     the adapter, 2026-12-01), in one graph equal to the eager call bit for bit."""
     from fismo_core import linalg
-    from fismo_core.backends import _torch_compile
 
-    if not _torch_compile.SUBSTITUTED:
-        pytest.skip("no substitutes registered (a torch without torch.compiler.substitute_in_graph, or another "
-                    "library's substitutes first): dynamo traces array-api-compat itself")
+    _skip_without_substitutes()
     monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64)

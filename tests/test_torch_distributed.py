@@ -186,7 +186,7 @@ def _branch_optimizer(model: torch.nn.Module, **kwargs):
     return FISMO(param_groups(model, head=None), lr=LR, **kwargs)
 
 
-def _branch_losses(net, X, Y, use_extra: bool) -> torch.Tensor:
+def _branch_loss(net, X, Y, use_extra: bool) -> torch.Tensor:
     return torch.nn.functional.mse_loss(net(X, use_extra), Y)
 
 
@@ -200,7 +200,7 @@ def _run_ddp_unused_on_one_rank(rank: int, X, Y) -> dict:
     grads_present = []
     for _ in range(3):
         opt.zero_grad()
-        _branch_losses(net, X, Y, use_extra=rank == 0).backward()
+        _branch_loss(net, X, Y, use_extra=rank == 0).backward()
         grads_present.append(model.extra.weight.grad is not None)
         opt.step()
     return {"params": [_full(p) for p in model.parameters()], "extra grad present": grads_present}
@@ -274,16 +274,12 @@ def runs(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def single_process() -> list[torch.Tensor]:
-    """The same model, optimizer and steps in one process on the whole batch."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = _model()
-        X, Y = _data()
-        _train(model, _optimizer(model), X, Y, range(STEPS))
-        return [p.detach().clone() for p in model.parameters()]
-    finally:
-        torch.set_num_threads(before)
+    """The same model, optimizer and steps in one process on the whole batch (one torch thread, as each rank:
+    ``conftest.one_thread_per_test_process``)."""
+    model = _model()
+    X, Y = _data()
+    _train(model, _optimizer(model), X, Y, range(STEPS))
+    return [p.detach().clone() for p in model.parameters()]
 
 
 MATRICES = [0, 2, 4, 6, 8]  # indices of the weights in model.parameters()
@@ -324,18 +320,13 @@ def test_ddp_steps_a_matrix_one_rank_leaves_unused_on_every_rank(runs):
     assert first["extra grad present"] == second["extra grad present"] == [True] * 3
     for a, b in zip(first["params"], second["params"]):
         assert torch.equal(a, b)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = _Branch()
-        opt = _branch_optimizer(model)
-        (X0, X1), (Y0, Y1) = (t.chunk(WORLD) for t in _data())
-        for _ in range(3):
-            opt.zero_grad()
-            ((_branch_losses(model, X0, Y0, True) + _branch_losses(model, X1, Y1, False)) / WORLD).backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(before)
+    model = _Branch()
+    opt = _branch_optimizer(model)
+    (X0, X1), (Y0, Y1) = (t.chunk(WORLD) for t in _data())
+    for _ in range(3):
+        opt.zero_grad()
+        ((_branch_loss(model, X0, Y0, True) + _branch_loss(model, X1, Y1, False)) / WORLD).backward()
+        opt.step()
     assert not torch.equal(model.extra.weight, _Branch().extra.weight)
     worst = max(_rel(a, b.detach()) for a, b in zip(first["params"], model.parameters()))
     assert worst <= 1e-10, worst
