@@ -1,7 +1,7 @@
 """What only the traced step of the torch adapter runs (``torch.compile``).
 
-Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]: `traced_refresh`, lines 4-8 of a
-bucket whose inverse roots are due every ``k`` steps, with the decision kept in the graph;
+Part of [`fismo_core.backends.torch`][fismo_core.backends.torch]: `TracedRootSchedule`, the inverse
+roots of a bucket due every ``k`` steps, with the decision kept in the graph;
 `through_dynamo` and `warn_of_numpy_scalars`, for the settings ``_init_group`` checks at trace time;
 `substitute_array_api_compat_lookups`, which dynamo traces in place of array-api-compat's. The
 optimizer's ``_init_group`` and ``_static_shapes``, which dynamo's tracing of ``step`` calls, stay
@@ -11,6 +11,7 @@ methods of ``FISMO``. See "torch.compile" in ``docs/torch.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import types
@@ -24,7 +25,6 @@ from array_api_compat import torch as _compat_torch
 
 from fismo_core import guards as _guards
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
-from fismo_core.optimizer import FISMO as _CoreFISMO
 
 try:  # private classes of dynamo (torch 2.13), for `through_dynamo`
     from torch._dynamo.exc import UserError as _UserError, UserErrorType as _UserErrorType
@@ -32,53 +32,35 @@ except ImportError:  # pragma: no cover - another torch
     _UserError = _UserErrorType = None
 
 
-def traced_refresh(core: _CoreFISMO, G: torch.Tensor, stacked: Any, due: torch.Tensor) -> Any:
-    """Lines 4-8 of a bucket under ``torch.compile`` with ``InverseRootConfig(every=k)``, ``k > 1``.
+@dataclasses.dataclass(frozen=True)
+class TracedRootSchedule(_fismo.RootSchedule):
+    """The roots of a bucket due every ``k`` steps (``InverseRootConfig(every=k)``, ``k > 1``) under ``torch.compile``.
 
-    ``due`` (per matrix, where the step counts live: the CPU) says whose roots are recomputed at this step. Eagerly the
-    adapter reads each step count and buckets by the answer; traced, that read would break the
-    graph, and the graph would recompile whenever the answer changes. Here two ``torch.cond`` keep
-    both paths in one graph: the call that recomputes the roots runs when any matrix is due, the
-    one that keeps them when any is not, and each matrix takes its own (the matrices of a bucket
-    differ only when their step counts do). Each is the eager adapter's call, traced once. Only for
-    a core that does not check its roots (no fault flags to return: ``nonfinite="propagate"``).
+    Eagerly the adapter reads each step count and buckets by the answer; traced, that read would
+    break the graph, and the graph would recompile whenever the answer changes. Passed to the core
+    as ``refresh_roots`` ([`RootSchedule`][fismo_core.RootSchedule]), the decision stays in the graph
+    at the only places it changes lines 4-6, each inverse root and line 6's product: a ``torch.cond``
+    there computes the new ones when any matrix is due and takes each matrix's own, and otherwise
+    copies the kept ones (``torch.cond``'s outputs may not alias its inputs). Lines 4-8 are traced
+    once. ``due`` is on the data's device, ``any_due`` where the step counts live (the CPU: no
+    device read).
     """
-    # In the state's dtype, as the core takes it (exact): `unused` shapes the outputs like the inputs, and
-    # the direction comes out in the state's dtype, float32 for bfloat16 and float16 parameters.
-    G = G.to(stacked.M.dtype)
-    leaves, spec = torch.utils._pytree.tree_flatten((G, stacked))
-    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
 
-    def rebuild(tensors: Any) -> Any:
-        it = iter(tensors)
-        return torch.utils._pytree.tree_unflatten([next(it) if t else x for x, t in zip(leaves, is_tensor)], spec)
+    any_due: torch.Tensor
 
-    def call(refresh: bool) -> Callable[..., tuple]:
-        def branch(*tensors: torch.Tensor) -> tuple:
-            G_, stacked_ = rebuild(tensors)
-            result = core.direction_with_faults(G_, stacked_, refresh_roots=refresh)
-            if any(flag is not None for flag in result.faults):  # the caller (FISMO._fismo_compute) excludes it
-                raise RuntimeError("a traced refresh cannot return fault flags")
-            out = torch.utils._pytree.tree_flatten((result.direction, result.state._replace(step=stacked_.step)))[0]
-            out = [x for x in out if isinstance(x, torch.Tensor)]
-            # torch.cond's outputs may not alias its inputs (the roots kept, P and Q with gamma = 1), and
-            # both branches must lay them out alike: contiguous. An output can only be its own input (the
-            # same field of the state; `unused` shapes them alike), so one comparison each, not all pairs.
-            return tuple(x.clone(memory_format=torch.contiguous_format) if x is a else x.contiguous()
-                         for x, a in zip(out, tensors))
-        return branch
+    @classmethod
+    def of(cls, due: torch.Tensor, device: torch.device) -> "TracedRootSchedule":
+        """The schedule of a bucket from its matrices' ``due`` flags (``is_refresh_step`` of their step counts)."""
+        return cls(due.to(device), due.any())
 
-    def unused(*tensors: torch.Tensor) -> tuple:  # the other branch's shapes; every entry is replaced below
-        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in tensors)
+    def choose(self, fresh: Callable[[], tuple], kept: Callable[[], tuple]) -> tuple:
+        def some_due() -> tuple:
+            return tuple(x.contiguous() for x in _fismo.RootSchedule.choose(self, fresh, kept))
 
-    operands = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-    fresh = torch.cond(due.any(), call(True), unused, operands)
-    kept = torch.cond(due.all(), unused, call(False), operands)
-    # The predicates stay where the step counts are (the CPU: no device read); the choice goes to the data.
-    due_here = due.to(G.device)
-    out = tuple(torch.where(due_here.reshape(due.shape + (1,) * (a.ndim - 1)), a, b) for a, b in zip(fresh, kept))
-    direction, state = rebuild(out)
-    return _fismo.StepResult(direction, state, _guards.StepFaults())
+        def none_due() -> tuple:  # both branches lay their outputs out alike: contiguous
+            return tuple(x.clone(memory_format=torch.contiguous_format) for x in kept())
+
+        return tuple(torch.cond(self.any_due, some_due, none_due, ()))
 
 
 def warn_of_numpy_scalars(param_groups: list[dict]) -> None:

@@ -63,7 +63,7 @@ from ._torch_groups import (
     validate_fismo_hparams,
     validate_matrix_param,
 )
-from ._torch_compile import through_dynamo, traced_refresh, warn_of_numpy_scalars
+from ._torch_compile import TracedRootSchedule, through_dynamo, warn_of_numpy_scalars
 from ._torch_precision import bfloat16_is_native, onednn_isa_limit, training_precision
 from ._torch_state import (
     COUNTER_KEYS,
@@ -508,7 +508,7 @@ class FISMO(Optimizer):
         """Every state's ``"step"`` back on the CPU, where it is created (no-op when it is there).
 
         Roots due every ``k`` steps are decided from the step counts without a device read
-        (the predicates of `_torch_compile.traced_refresh` stay on the CPU), an eager step
+        (the predicates of `_torch_compile.TracedRootSchedule` stay on the CPU), an eager step
         reads them without waiting for the device, and the AdamW groups' are
         ``torch.optim.AdamW``'s with ``capturable=False``. Runs at trace time only.
         """
@@ -628,7 +628,7 @@ class FISMO(Optimizer):
             G = grad.reshape(m, n)
             # InverseRootConfig.every: whether this parameter's roots are due, from its own step count.
             # With every == 1 (the default) they always are: no read of the step count.
-            # Compiled (torch.compile), the decision stays on the device: see _torch_compile.traced_refresh.
+            # Compiled (torch.compile), the decision stays on the device: see _torch_compile.TracedRootSchedule.
             every = core.inv_root.every
             if every == 1:
                 refresh = True
@@ -646,9 +646,8 @@ class FISMO(Optimizer):
             # not used by the algorithm; each parameter keeps its own in state["step"].
             if refresh is None:
                 due = core.inv_root.is_refresh_step(torch.stack([s["step"] for s in states]))
-                result = traced_refresh(core, G_stack, stacked, due)
-            else:
-                result = core.direction_with_faults(G_stack, stacked, refresh_roots=refresh)
+                refresh = TracedRootSchedule.of(due, G_stack.device)
+            result = core.direction_with_faults(G_stack, stacked, refresh_roots=refresh)
             plan.calls.append(_CoreCall([p for p, _ in bucket], states, G_stack, stacked, refresh, result))
         return plan
 
@@ -735,7 +734,7 @@ class _CoreCall(NamedTuple):
     states: list
     G: torch.Tensor
     stacked: Any
-    refresh: bool
+    refresh: Any  # bool, or the TracedRootSchedule of a compiled step
     result: Any  # fismo_core.StepResult: direction, new state, fault flags (unread)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
@@ -43,6 +43,7 @@ __all__ = [
     "InverseRootWarning",
     "PolarConfig",
     "Preconditioners",
+    "RootSchedule",
     "StepLines",
     "StepResult",
     "TRAINING",
@@ -894,7 +895,7 @@ class FISMO:
 
     # ------------------------------------------------------------- direction
     def direction(
-        self, G: Array, state: FISMOState, *, refresh_roots: Optional[bool] = None
+        self, G: Array, state: FISMOState, *, refresh_roots: Union[None, bool, "RootSchedule"] = None
     ) -> tuple[Array, FISMOState]:
         """Lines 4–8: the update direction ``dW_t`` and the new state, from gradient ``G_t``.
 
@@ -905,9 +906,10 @@ class FISMO:
 
         ``refresh_roots`` overrides the schedule of
         [`InverseRootConfig.every`][fismo_core.InverseRootConfig]: ``True``
-        recomputes the roots at this step, ``False`` keeps the cached ones.
-        ``None`` (default) decides from ``state.step``, which must then be
-        concrete unless ``every == 1``.
+        recomputes the roots at this step, ``False`` keeps the cached ones, a
+        [`RootSchedule`][fismo_core.RootSchedule] decides per matrix of a stack
+        from an array (no host read; roots not checked). ``None`` (default)
+        decides from ``state.step``, which must then be concrete unless ``every == 1``.
 
         Host reads: with ``nonfinite="raise"`` one for the finiteness of
         ``G``, and one for the checks of the roots when they are checked; none
@@ -922,7 +924,7 @@ class FISMO:
         return step.result.direction, step.result.state
 
     def direction_with_faults(
-        self, G: Array, state: FISMOState, *, refresh_roots: Optional[bool] = None
+        self, G: Array, state: FISMOState, *, refresh_roots: Union[None, bool, "RootSchedule"] = None
     ) -> "StepResult":
         """Lines 4–8 as [`direction`][fismo_core.FISMO.direction] without any host read: direction, state, fault flags.
 
@@ -953,7 +955,7 @@ class FISMO:
         return self._guarded_step(xp, G, state, refresh, repair=False, defer_nonfinite=True).result
 
     def settle(
-        self, G: Array, state: FISMOState, result: "StepResult", *, refresh_roots: Optional[bool] = None
+        self, G: Array, state: FISMOState, result: "StepResult", *, refresh_roots: Union[None, bool, "RootSchedule"] = None
     ) -> tuple[Array, FISMOState]:
         """The host read [`direction_with_faults`][fismo_core.FISMO.direction_with_faults] leaves out, and what follows.
 
@@ -983,7 +985,8 @@ class FISMO:
         return step.result.direction, step.result.state
 
     def _guarded_step(
-        self, xp: Any, G: Array, state: FISMOState, refresh: bool, *, repair: bool, defer_nonfinite: bool = False
+        self, xp: Any, G: Array, state: FISMOState, refresh: Union[bool, "RootSchedule"], *, repair: bool,
+        defer_nonfinite: bool = False,
     ) -> "_Step":
         """`_algorithm_1` inside the guards: ``G``'s dtype and layout, non-finite policy, statistics scale, counters.
 
@@ -1014,7 +1017,7 @@ class FISMO:
         except Exception as exc:
             # A root that failed its check is NaN here, flagged for later; an SVD polar factor raises on the
             # NaN it gives (NumPy, torch) before the flag is read. The repaired step decides instead.
-            if repair or not (refresh and guards.checks_roots(self.inv_root, self.nonfinite)) \
+            if repair or not (refresh is not False and guards.checks_roots(self.inv_root, self.nonfinite)) \
                     or not guards.is_linalg_error(exc):
                 raise
             return self._guarded_step(xp, G, state, refresh, repair=True, defer_nonfinite=defer_nonfinite)
@@ -1035,7 +1038,9 @@ class FISMO:
             direction, new_state = guards.restore_skipped(xp, skip, direction, state, new_state, _ARRAY_FIELDS)
         return _Step(StepResult(direction, new_state, faults), lines, scale)
 
-    def _settle(self, xp: Any, G: Array, state: FISMOState, step: "_Step", refresh: bool) -> "_Step":
+    def _settle(
+        self, xp: Any, G: Array, state: FISMOState, step: "_Step", refresh: Union[bool, "RootSchedule"]
+    ) -> "_Step":
         """`settle` for a step of `_guarded_step` (``repair=False``): the one host read, and what a fault calls for."""
         faults = step.result.faults
         found = guards.read_faults(faults)
@@ -1049,11 +1054,27 @@ class FISMO:
         # A root failed its check: this step again, with the fault handling of InverseRootConfig.
         return self._guarded_step(xp, G, state, refresh, repair=True)
 
-    def _refresh_roots(self, state: FISMOState, refresh_roots: Optional[bool]) -> bool:
-        """Whether this step recomputes ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (`InverseRootConfig.every`)."""
+    def _refresh_roots(
+        self, state: FISMOState, refresh_roots: Union[None, bool, RootSchedule]
+    ) -> Union[bool, RootSchedule]:
+        """Whether this step recomputes ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (`InverseRootConfig.every`): a bool, or
+        a `RootSchedule` checked against the state and the policy."""
+        if isinstance(refresh_roots, RootSchedule):
+            batch = tuple(state.M.shape[:-2])
+            if tuple(getattr(refresh_roots.due, "shape", ())) != batch:
+                raise ValueError(
+                    f"a RootSchedule needs one flag per matrix of the stack, shape {batch}, got due of shape "
+                    f"{tuple(getattr(refresh_roots.due, 'shape', ()))}"
+                )
+            if guards.checks_roots(self.inv_root, self.nonfinite):
+                raise ValueError(
+                    "a RootSchedule needs roots that are not checked (nonfinite='propagate', or "
+                    "InverseRootConfig(fallback=False)): it returns no fault flag per matrix"
+                )
+            return refresh_roots
         if refresh_roots is not None:
             if not isinstance(refresh_roots, bool):
-                raise TypeError(f"refresh_roots must be None, True or False, got {refresh_roots!r}")
+                raise TypeError(f"refresh_roots must be None, True, False or a RootSchedule, got {refresh_roots!r}")
             return refresh_roots
         every = self.inv_root.every
         try:
@@ -1158,17 +1179,22 @@ def _momentum_weights(beta: Any, dtype: Any) -> tuple[Any, Any]:
     return xp.astype(beta, dtype), xp.astype(1 - beta, dtype)
 
 
-def _line_6(pre: Preconditioners, left: Structure, right: Structure, refresh: bool) -> Array:
+def _line_6(pre: Preconditioners, left: Structure, right: Structure, refresh: Union[bool, "RootSchedule"]) -> Array:
     """Line 6: ``G~_t = P_t^{-1/2} G_t Q_t^{-1/2}`` (over the scale of ``G``), from a product of lines 4–5.
 
     Normally ``(P_t^{-1/2} G) Q_t^{-1/2}``, reusing line 5's ``P_t^{-1/2} G``.
     Between refreshes of the roots a wide matrix (``m < n``) takes
     ``P^{-1/2} (G Q^{-1/2})`` instead, reusing line 4's ``G Q^{-1/2}``
     (``m^2 n`` operations, not ``m n^2``): the cached ``Q^{-1/2}`` is the one line 4 used.
+    A `RootSchedule` takes each matrix's own.
     """
-    if pre.G_Q_inv_sqrt is not None and not refresh and left.d < right.d:
+    if pre.G_Q_inv_sqrt is None or refresh is True or left.d >= right.d:
+        return right.right(pre.P_inv_sqrt_G, pre.Q_inv_sqrt)
+    if refresh is False:
         return left.left(pre.P_inv_sqrt, pre.G_Q_inv_sqrt)
-    return right.right(pre.P_inv_sqrt_G, pre.Q_inv_sqrt)
+    return refresh.choose(
+        lambda: (right.right(pre.P_inv_sqrt_G, pre.Q_inv_sqrt),), lambda: (left.left(pre.P_inv_sqrt, pre.G_Q_inv_sqrt),)
+    )[0]
 
 
 class _Lines(NamedTuple):
@@ -1201,11 +1227,48 @@ class _Step(NamedTuple):
     scale: Any
 
 
+@dataclass(frozen=True)
+class RootSchedule:
+    """Per matrix of a stack, whether this step recomputes its inverse roots: ``InverseRootConfig.every``
+    decided on the device, for a ``refresh_roots`` that is an array, not a Python bool.
+
+    ``due`` is a boolean array of the stack's batch shape (``state.M.shape[:-2]``), e.g.
+    ``config.is_refresh_step(steps)`` of the matrices' step counts. Passed as ``refresh_roots`` to
+    [`FISMO.direction`][fismo_core.FISMO.direction] or
+    [`direction_with_faults`][fismo_core.FISMO.direction_with_faults], a matrix that is due steps as with
+    ``refresh_roots=True`` and the others as with ``False``, bit for bit, in one call and without a
+    host read: what a compiled step needs, where reading each matrix's step count would break the
+    graph (the torch adapter under ``torch.compile``). Only where roots are not checked
+    (``nonfinite="propagate"``, [`checks_roots`][fismo_core.guards.checks_roots]): a fault
+    flag per matrix of a schedule is not returned.
+
+    The schedule reaches lines 4-6 at the only places ``every`` changes them: each inverse root, and
+    line 6's choice of product. `choose` computes both answers and takes each matrix's own; an
+    adapter may override it to compute the roots only when a matrix is due (the torch adapter's
+    ``torch.cond``).
+    """
+
+    due: Any
+
+    def choose(
+        self, fresh: Callable[[], tuple[Array, ...]], kept: Callable[[], tuple[Array, ...]]
+    ) -> tuple[Array, ...]:
+        """Per matrix, the arrays of ``fresh()`` where its roots are due and those of ``kept()`` elsewhere.
+
+        Both give arrays of the same shapes, the stack's batch axes first.
+        """
+        xp = array_namespace(self.due)
+        return tuple(
+            xp.where(xp.reshape(self.due, (*self.due.shape, *(1,) * (a.ndim - self.due.ndim))), a, b)
+            for a, b in zip(fresh(), kept(), strict=True)
+        )
+
+
 class _InverseRoots(NamedTuple):
     """How lines 4–5 take ``A_t^{-1/2}`` at one step; called as ``(A_t, A_t^{-1/2}, failed) = roots(...)``.
 
-    ``refresh=False`` keeps the cached root (``InverseRootConfig.every``).
-    Otherwise, with ``repair=False``, `guards.checked_inverse_sqrt`: no host
+    ``refresh=False`` keeps the cached root (``InverseRootConfig.every``), a
+    `RootSchedule` decides per matrix (roots not checked). Otherwise, with ``repair=False``, `guards.checked_inverse_sqrt`: no host
     read, a root that fails its check is only flagged; with ``repair=True``,
     `guards.guarded_inverse_sqrt`: float64 retry, fallback to ``A_{t-1}`` and
     its root, warning (host reads). The flags are returned, never stored.
@@ -1213,16 +1276,23 @@ class _InverseRoots(NamedTuple):
 
     optimizer: FISMO
     xp: Any
-    refresh: bool
+    refresh: Union[bool, RootSchedule]
     batch_ndim: int
     repair: bool
 
     def __call__(
         self, structure: Structure, A: Factor, A_prev: Factor, root_prev: Factor, name: str
     ) -> tuple[Factor, Factor, Any]:
-        if not self.refresh:
+        if self.refresh is False:
             return A, root_prev, None
         config, nonfinite = self.optimizer.inv_root, self.optimizer.nonfinite
+        if isinstance(self.refresh, RootSchedule):  # roots not checked (FISMO._refresh_roots): no flags
+            def fresh() -> tuple[Array, ...]:
+                return structure.parts(
+                    guards.checked_inverse_sqrt(self.xp, structure, config, nonfinite, A, self.batch_ndim)[0]
+                )
+
+            return A, structure.from_parts(self.refresh.choose(fresh, lambda: structure.parts(root_prev))), None
         if self.repair:
             return guards.guarded_inverse_sqrt(
                 self.xp, structure, config, nonfinite, A, A_prev, root_prev, name, self.batch_ndim, _EIGH

@@ -31,7 +31,8 @@ import io
 import numpy as np
 import pytest
 
-from fismo_core import FISMO, InverseRootConfig, linalg
+from fismo_core import FISMO, InverseRootConfig, RootSchedule, linalg
+from fismo_core.kronecker import to_dense
 from fismo_core.testing import Target, to_numpy
 
 ARRAY_FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt")
@@ -318,8 +319,49 @@ def test_refresh_roots_must_be_a_bool(bad) -> None:
     """Only the Python bools: ``1``, ``"yes"`` and also NumPy's ``True`` are refused, before anything runs."""
     opt = FISMO(inv_root={"every": EVERY})
     W = np.ones((3, 4))
-    with pytest.raises(TypeError, match="refresh_roots must be None, True or False"):
+    with pytest.raises(TypeError, match="refresh_roots must be None, True, False or a RootSchedule"):
         opt.direction(W, opt.init(W), refresh_roots=bad)
+
+
+@pytest.mark.parametrize("options", [{}, {"block_size": 4}, {"nesterov": True, "gamma": 1.0}],
+                         ids=["full", "blocks", "gamma1-nesterov"])
+@pytest.mark.parametrize("shape", [(3, 4, 6), (3, 6, 4)], ids=["wide", "tall"])
+def test_a_root_schedule_steps_each_matrix_as_its_bool_would(target: Target, shape, options) -> None:
+    """``refresh_roots=RootSchedule(due)`` on a stack of 3: each matrix's direction and state are those of
+    ``refresh_roots=True`` where it is due and of ``False`` elsewhere, bit for bit, through mixed, all
+    and none due (wide matrices reuse line 4's product in line 6 when kept, tall ones do not; blocks
+    give roots in two parts: ``Q`` of side 6 is a block of 4 and one of 2)."""
+    W0, grads = _case(shape)
+    opt = FISMO(**{**HYPER, **options}, polar=POLAR, nonfinite="propagate", inv_root={"every": EVERY})
+    state = opt.init(target.asarray(W0))
+    xp = target.xp
+    for t, due in enumerate([[True, True, True], [True, False, True], [False, False, False], [False, True, False]]):
+        G = target.asarray(grads[t])
+        D, new = opt.direction(G, state, refresh_roots=RootSchedule(xp.asarray(due)))
+        D_fresh, fresh = opt.direction(G, state, refresh_roots=True)
+        D_kept, kept = opt.direction(G, state, refresh_roots=False)
+        for i, d in enumerate(due):
+            want_D, want = (D_fresh, fresh) if d else (D_kept, kept)
+            assert _equal(_np(D)[i], _np(want_D)[i]), (t, i)
+            for f in ARRAY_FIELDS:
+                assert _equal(_np(to_dense(getattr(new, f)))[i], _np(to_dense(getattr(want, f)))[i]), (t, i, f)
+        if t == 1 and options.get("gamma") != 1.0:  # the test can tell: the two answers differ there
+            assert not _equal(_np(D_fresh)[1], _np(D_kept)[1])
+        state = new
+
+
+def test_a_root_schedule_is_refused_where_roots_are_checked_or_its_shape_is_not_the_stacks() -> None:
+    """Checked roots return a flag per matrix that a schedule cannot (the default ``nonfinite="raise"``, and
+    ``fallback=True`` under ``"propagate"``); ``due`` must have the stack's batch shape. Both are
+    ``ValueError``s naming what to change."""
+    W = np.ones((2, 3, 4))
+    for opt in (FISMO(inv_root={"every": EVERY}),
+                FISMO(nonfinite="propagate", inv_root={"every": EVERY, "fallback": True})):
+        with pytest.raises(ValueError, match="RootSchedule needs roots that are not checked"):
+            opt.direction(W, opt.init(W), refresh_roots=RootSchedule(np.array([True, False])))
+    opt = FISMO(nonfinite="propagate", inv_root={"every": EVERY})
+    with pytest.raises(ValueError, match=r"one flag per matrix of the stack, shape \(2,\), got due of shape \(3,\)"):
+        opt.direction(W, opt.init(W), refresh_roots=RootSchedule(np.array([True, False, True])))
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "3"])
