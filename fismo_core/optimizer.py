@@ -1060,11 +1060,13 @@ class FISMO:
         """Whether this step recomputes ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (`InverseRootConfig.every`): a bool, or
         a `RootSchedule` checked against the state and the policy."""
         if isinstance(refresh_roots, RootSchedule):
-            batch = tuple(state.M.shape[:-2])
-            if tuple(getattr(refresh_roots.due, "shape", ())) != batch:
+            due, batch = refresh_roots.due, tuple(state.M.shape[:-2])
+            if not is_array_api_obj(due) or due.dtype != array_namespace(due).bool:
+                raise TypeError(f"a RootSchedule's due must be a boolean array, got {due!r}")
+            if tuple(due.shape) != batch:
                 raise ValueError(
                     f"a RootSchedule needs one flag per matrix of the stack, shape {batch}, got due of shape "
-                    f"{tuple(getattr(refresh_roots.due, 'shape', ()))}"
+                    f"{tuple(due.shape)}"
                 )
             if guards.checks_roots(self.inv_root, self.nonfinite):
                 raise ValueError(
@@ -1232,7 +1234,7 @@ class RootSchedule:
     """Per matrix of a stack, whether this step recomputes its inverse roots: ``InverseRootConfig.every``
     decided on the device, for a ``refresh_roots`` that is an array, not a Python bool.
 
-    ``due`` is a boolean array of the stack's batch shape (``state.M.shape[:-2]``), e.g.
+    ``due`` is a boolean array of the stack's batch shape (``state.M.shape[:-2]``), in its namespace and on its device, e.g.
     ``config.is_refresh_step(steps)`` of the matrices' step counts. Passed as ``refresh_roots`` to
     [`FISMO.direction`][fismo_core.FISMO.direction] or
     [`direction_with_faults`][fismo_core.FISMO.direction_with_faults], a matrix that is due steps as with

@@ -350,10 +350,10 @@ def test_a_root_schedule_steps_each_matrix_as_its_bool_would(target: Target, sha
         state = new
 
 
-def test_a_root_schedule_is_refused_where_roots_are_checked_or_its_shape_is_not_the_stacks() -> None:
+def test_a_root_schedule_is_refused_where_roots_are_checked_or_its_flags_do_not_fit() -> None:
     """Checked roots return a flag per matrix that a schedule cannot (the default ``nonfinite="raise"``, and
-    ``fallback=True`` under ``"propagate"``); ``due`` must have the stack's batch shape. Both are
-    ``ValueError``s naming what to change."""
+    ``fallback=True`` under ``"propagate"``); ``due`` must have the stack's batch shape (both
+    ``ValueError``s naming what to change) and be a boolean array (``TypeError``)."""
     W = np.ones((2, 3, 4))
     for opt in (FISMO(inv_root={"every": EVERY}),
                 FISMO(nonfinite="propagate", inv_root={"every": EVERY, "fallback": True})):
@@ -362,6 +362,9 @@ def test_a_root_schedule_is_refused_where_roots_are_checked_or_its_shape_is_not_
     opt = FISMO(nonfinite="propagate", inv_root={"every": EVERY})
     with pytest.raises(ValueError, match=r"one flag per matrix of the stack, shape \(2,\), got due of shape \(3,\)"):
         opt.direction(W, opt.init(W), refresh_roots=RootSchedule(np.array([True, False, True])))
+    for due in (np.array([1, 0]), [True, False]):  # a mask of integers, a list: not a boolean array
+        with pytest.raises(TypeError, match="a RootSchedule's due must be a boolean array"):
+            opt.direction(W, opt.init(W), refresh_roots=RootSchedule(due))
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "3"])
