@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - another torch
     _UserError = _UserErrorType = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TracedRootSchedule(_fismo.RootSchedule):
     """The roots of a bucket due every ``k`` steps (``InverseRootConfig(every=k)``, ``k > 1``) under ``torch.compile``.
 

@@ -1229,7 +1229,7 @@ class _Step(NamedTuple):
     scale: Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: `due` is an array, whose == is not a bool
 class RootSchedule:
     """Per matrix of a stack, whether this step recomputes its inverse roots: ``InverseRootConfig.every``
     decided on the device, for a ``refresh_roots`` that is an array, not a Python bool.
@@ -1260,10 +1260,7 @@ class RootSchedule:
         Both give arrays of the same shapes, the stack's batch axes first.
         """
         xp = array_namespace(self.due)
-        return tuple(
-            xp.where(xp.reshape(self.due, (*self.due.shape, *(1,) * (a.ndim - self.due.ndim))), a, b)
-            for a, b in zip(fresh(), kept(), strict=True)
-        )
+        return tuple(guards.select(xp, self.due, a, b) for a, b in zip(fresh(), kept(), strict=True))
 
 
 class _InverseRoots(NamedTuple):
