@@ -42,10 +42,12 @@ once and the params keep their sharding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -61,7 +63,8 @@ from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
-from fismo_core.guards import check_beta_library, check_matrix, foreign_keywords
+from fismo_core import guards as _guards
+from fismo_core.guards import InverseRootWarning, check_beta_library, check_matrix, foreign_keywords, read_faults
 from fismo_core.kronecker import Blocks
 from fismo_core import linalg
 from fismo_core.linalg import MUON_COEFFICIENTS
@@ -277,7 +280,13 @@ def _place_state(
 
 
 def _replicated(x: Any, like: Any) -> Any:
-    """``x`` replicated over the mesh of ``like`` (a leaf on a mesh); concrete or traced."""
+    """``x`` replicated over the mesh of ``like`` (a leaf on a mesh); concrete or traced.
+
+    A concrete ``x`` beside a traced ``like`` (``jax.vmap(tx.init)``: optax's counts are constants there) is
+    left as it is: the transformation lays out its outputs itself.
+    """
+    if isinstance(like, jax.core.Tracer) and not isinstance(x, jax.core.Tracer):
+        return x
     if isinstance(x, jax.core.Tracer):
         mesh = jax.typeof(like).sharding.mesh
         sharding = NamedSharding(mesh, PartitionSpec())
@@ -293,6 +302,7 @@ class _LeafPrograms(NamedTuple):
     leaf_direction: Callable[[Any, FISMOState], tuple[Any, FISMOState]]
     init_on_mesh: Callable[..., FISMOState]
     update_on_mesh: Callable[[Any, FISMOState], tuple[Any, FISMOState]]
+    checked_update_on_mesh: Callable[[Any, FISMOState], tuple[Any, FISMOState, Any]]
 
 
 @functools.lru_cache(maxsize=64)
@@ -306,7 +316,10 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
     """
     every = core.inv_root.every
 
-    def _direction(G: Any, s: Any) -> tuple[Any, Any]:
+    def _with_beta(beta: Any) -> FISMO:
+        return core if beta is None else dataclasses.replace(core, beta=beta)
+
+    def _direction(G: Any, s: Any, core: FISMO) -> tuple[Any, Any]:
         if every == 1:
             return core.direction(G, s)
         # InverseRootConfig.every > 1: eager, the step count decides in Python; under jit it is traced
@@ -321,9 +334,10 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
             )
         return core.direction(G, s, refresh_roots=core.inv_root.is_refresh_step(int(s.step)))
 
-    def leaf_direction(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
-        """One leaf's direction (shaped and typed like ``g``) and new state."""
-        d, s = _direction(_as_matrix(g, matrix_shape), s)
+    def leaf_direction(g: Any, s: FISMOState, beta: Any = None) -> tuple[Any, FISMOState]:
+        """One leaf's direction (shaped and typed like ``g``) and new state; ``beta``, if given, in place of
+        the core's (an array ``beta`` passed in rather than read from the closure, see `update_on_mesh`)."""
+        d, s = _direction(_as_matrix(g, matrix_shape), s, _with_beta(beta))
         return jnp.reshape(d, g.shape).astype(g.dtype), s
 
     def init_on_mesh(p: Any, name: str, spec: Optional[PartitionSpec]) -> FISMOState:
@@ -342,14 +356,35 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
             return jax.sharding.auto_axes(build, out_sharding=out)(p)
         return _place_state(build(p), mesh, M_like=_as_matrix(p, matrix_shape), M_spec=M_spec)
 
-    def update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
-        """`leaf_direction` for a leaf on a mesh: the direction laid out like ``g``, the state as it came in."""
+    def laid_out(step: Callable[..., tuple], g: Any, s: FISMOState, flags: int = 0) -> tuple:
+        """``step(g, s[, beta])`` for a leaf on a mesh: the direction laid out like ``g``, the state as it came
+        in, and the ``flags`` more arrays ``step`` returns (fault flags) replicated."""
         mesh = _mesh(g)
         if _is_explicit(mesh):
             out = jax.tree.map(lambda x: NamedSharding(mesh, jax.typeof(x).sharding.spec), (g, s))
-            return jax.sharding.auto_axes(leaf_direction, out_sharding=out)(g, s)
-        d, s_new = leaf_direction(g, s)
-        return shard_alike(d, g)[0], _place_state(s_new, mesh, M_like=s.M)
+            out = (*out, *[NamedSharding(mesh, PartitionSpec())] * flags)
+            if isinstance(core.beta, numbers.Number):
+                return jax.sharding.auto_axes(step, out_sharding=out)(g, s)
+            # An array beta (a schedule) is typed by its own layout, Explicit axes included: it enters the
+            # Auto-axes computation as an argument (retyped there, as g and s are), not from the closure.
+            return jax.sharding.auto_axes(step, out_sharding=out)(g, s, core.beta)
+        d, s_new, *more = step(g, s)
+        return (shard_alike(d, g)[0], _place_state(s_new, mesh, M_like=s.M), *more)
+
+    def update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
+        """`leaf_direction` for a leaf on a mesh, laid out (`laid_out`)."""
+        return laid_out(leaf_direction, g, s)
+
+    def checked_update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState, Any]:
+        """`update_on_mesh` at a step whose roots are recomputed and checked, eagerly: also the roots'
+        fault flag (`FISMO.direction_with_faults`), for `scale_by_fismo` to read. Where it is not set,
+        the direction and state are `update_on_mesh`'s, bit for bit."""
+
+        def step(g: Any, s: FISMOState, beta: Any = None) -> tuple[Any, FISMOState, Any]:
+            result = _with_beta(beta).direction_with_faults(_as_matrix(g, matrix_shape), s, refresh_roots=True)
+            return jnp.reshape(result.direction, g.shape).astype(g.dtype), result.state, result.faults.roots
+
+        return laid_out(step, g, s, flags=1)
 
     # Compiled once per leaf shape and layout; inside the caller's jax.jit they are inlined. Eagerly the
     # core cannot run on a mesh op by op: its factors and M live on different shardings, which it
@@ -358,6 +393,7 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
         leaf_direction,
         jax.jit(init_on_mesh, static_argnames=("name", "spec"), keep_unused=True),
         jax.jit(update_on_mesh),
+        jax.jit(checked_update_on_mesh),
     )
 
 
@@ -439,7 +475,28 @@ def scale_by_fismo(
     # An array beta (inject_hyperparams' schedule; a tracer under jit) is not hashable and changes at
     # every update: its programs are built for this transformation alone.
     build = _leaf_programs if isinstance(beta, numbers.Number) else _leaf_programs.__wrapped__
-    leaf_direction, init_on_mesh, update_on_mesh = build(core, matrix_shape)
+    leaf_direction, init_on_mesh, update_on_mesh, checked_update_on_mesh = build(core, matrix_shape)
+    checked = _guards.checks_roots(core.inv_root, core.nonfinite)
+
+    def leaf_update(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
+        """One leaf's direction and state, wherever it lives: on one device op by op (the core's fault
+        handling included), on a mesh compiled, and there, eagerly, with the roots' fault handling too."""
+        if _mesh(g) is None:
+            return leaf_direction(g, s)
+        if not checked or isinstance(g, jax.core.Tracer) or not core.inv_root.is_refresh_step(int(s.step)):
+            return update_on_mesh(g, s)  # under jax.jit the checks step aside, as on one device
+        d, s_new, failed = checked_update_on_mesh(g, s)
+        if not read_faults(failed):
+            return d, s_new
+        # A root failed its check: the fault handling of InverseRootConfig (float64 retry, fallback to
+        # the previous factor, warning, error) reads and branches on the host, which the core cannot
+        # do on a mesh. The leaf's step is taken again on one device and laid out as the mesh's was.
+        device = g.sharding.mesh.devices.flat[0]
+        # Through the host: JAX places no array typed by Explicit mesh axes on one device.
+        g1, s1, beta = jax.device_put(jax.device_get((g, s, None if isinstance(core.beta, numbers.Number)
+                                                                    else core.beta)), device)
+        d1, s1 = leaf_direction(g1, s1, beta)
+        return jax.device_put(d1, d.sharding), jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), s1, s_new)
 
     def init_fn(params: Any) -> ScaleByFismoState:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -476,17 +533,13 @@ def scale_by_fismo(
         leaves = [(path, jnp.asarray(g)) for path, g in leaves]  # NumPy gradients too, as optax's own take
         # ... and NumPy states: a checkpoint restored by np.load, pickle or jax.device_get.
         states = [jax.tree.map(_as_jax, s) for s in treedef.flatten_up_to(state.states)]
+        leaves = [(path, _beside_state(g, s)) for (path, g), s in zip(leaves, states)]
         _check_finite_leaves(leaves)
         directions, new_states = [], []
         for (path, g), s in zip(leaves, states):
-            if _mesh(g) is None and _mesh(s.M) is not None and not isinstance(g, jax.core.Tracer):
-                # A leaf on a mesh given a NumPy or one-device gradient (eagerly), which optax's own
-                # transformations take: laid out like M (the leaf's layout when it is a matrix), else
-                # replicated on M's mesh.
-                same = tuple(g.shape) == tuple(s.M.shape)
-                g = jax.device_put(g, s.M.sharding if same else NamedSharding(s.M.sharding.mesh, PartitionSpec()))
             try:
-                d, s = update_on_mesh(g, s) if _mesh(g) is not None else leaf_direction(g, s)
+                with _named_root_warnings(f"leaf {jax.tree_util.keystr(path)}"):
+                    d, s = leaf_update(g, s)
             except InverseRootError as exc:
                 raise InverseRootError(f"leaf {jax.tree_util.keystr(path)}: {exc}", exc.indices) from exc
             except (ValueError, TypeError) as exc:
@@ -506,19 +559,39 @@ def _as_jax(x: Any) -> Any:
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
+@contextlib.contextmanager
+def _named_root_warnings(name: str) -> Any:
+    """Each `InverseRootWarning` raised inside, issued again prefixed with ``name`` (the core's counts a
+    leaf's matrices, not which leaf); other warnings issued again as they were."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        message = f"{name}: {w.message}" if issubclass(w.category, InverseRootWarning) else w.message
+        warnings.warn_explicit(message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _beside_state(g: Any, s: FISMOState) -> Any:
+    """A leaf's gradient where its state lives: a NumPy or one-device gradient of a leaf on a mesh (eagerly),
+    which optax's own transformations take, laid out like ``M`` (the leaf's layout when it is a matrix), else
+    replicated on ``M``'s mesh; any other gradient as it is."""
+    if _mesh(g) is not None or _mesh(s.M) is None or isinstance(g, jax.core.Tracer):
+        return g
+    same = tuple(g.shape) == tuple(s.M.shape)
+    return jax.device_put(g, s.M.sharding if same else NamedSharding(s.M.sharding.mesh, PartitionSpec()))
+
+
 def _check_finite_leaves(leaves: list[tuple[Any, Any]]) -> None:
     """A ``ValueError`` naming the first leaf (by pytree path) whose gradient has a NaN or an infinity.
 
-    One host read for all leaves, before any is computed; traced (``jax.jit``): nothing to read, no check.
+    One host read for all leaves on one device or mesh (`guards.read_faults`: one per device or mesh they
+    live on), before any is computed; traced (``jax.jit``): nothing to read, no check.
     """
-    if not leaves:
+    nonfinite = [~jnp.all(jnp.isfinite(g)) for _, g in leaves]
+    if not read_faults(*nonfinite):  # None when traced (jax.jit): nothing can be read, no check
         return
-    finite = jnp.stack([jnp.all(jnp.isfinite(g)) for _, g in leaves])
-    ok = linalg._host_bool(jnp.all(finite))
-    if ok is None or ok:  # traced (jax.jit): nothing can be read, no check
-        return
-    for (path, g), ok in zip(leaves, finite.tolist()):
-        if not ok:
+    for (path, g), bad in zip(leaves, nonfinite):
+        if bool(bad):
             nan, inf = int(jnp.sum(jnp.isnan(g))), int(jnp.sum(jnp.isinf(g)))
             raise ValueError(
                 f"the gradient of leaf {jax.tree_util.keystr(path)} (shape {tuple(g.shape)}) contains {nan} NaN "
@@ -712,6 +785,13 @@ def fismo_training(
         "adam_b2": adam_b2, "adam_eps_root": adam_eps_root, "adam_weight_decay": adam_weight_decay,
         "consistent_rms": consistent_rms, "gamma": gamma, "mu": mu, "block_size": block_size,
     }, beta)
+    # The other leaves' AdamW: optax.adamw takes any number (a NaN, a negative rate or b1 = 1 trains on).
+    if adam_learning_rate is not None:
+        _check_learning_rate(adam_learning_rate, "adam_learning_rate")
+    for name, value in (("adam_b1", adam_b1), ("adam_b2", adam_b2)):
+        _fismo._check_real(name, value, 0.0, 1.0, high_open=True)  # 1 - b**t = 0: AdamW's bias correction
+    for name, value in (("adam_eps_root", adam_eps_root), ("adam_weight_decay", adam_weight_decay)):
+        _fismo._check_real(name, value, 0.0)
     given = {"gamma": gamma, "mu": mu, "polar": polar, "inv_root": inv_root, "statistics": statistics,
              "block_size": block_size}
     fismo_options = {k: v for k, v in given.items() if v is not _PRESET}
@@ -834,7 +914,7 @@ def _fismo_transformation(
     return _scalars_beside_the_params(optax.partition(transforms, labels))
 
 
-def _check_learning_rate(learning_rate: Any) -> None:
+def _check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None:
     """A schedule (any callable), or a finite number >= 0: a Python number or a 0-d array (unless traced)."""
     if callable(learning_rate) or isinstance(learning_rate, jax.core.Tracer):
         return
@@ -845,7 +925,7 @@ def _check_learning_rate(learning_rate: Any) -> None:
         except (TypeError, ValueError):
             pass
     if value is None or not math.isfinite(value) or value < 0:
-        raise ValueError(f"learning_rate must be a finite number >= 0 or a schedule, got {learning_rate!r}")
+        raise ValueError(f"{name} must be a finite number >= 0 or a schedule, got {learning_rate!r}")
 
 
 def _scalars_beside_the_params(tx: Any) -> Any:

@@ -532,7 +532,9 @@ def _check_momentum(beta: Any) -> Any:
     return beta
 
 
-def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
+def _check_real(
+    name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
+) -> float:
     try:  # an int beyond float's range (10**400) raises OverflowError in isfinite
         finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
     except OverflowError:
@@ -542,9 +544,9 @@ def _check_real(name: str, value: Any, low: float, high: float = math.inf, *, lo
         array = hasattr(value, "shape") and not isinstance(value, numbers.Real)
         kind = f" (a Python number, not an array of shape {tuple(value.shape)})" if array else ""
         raise ValueError(f"{name} must be a finite real number{kind}, got {value!r}")
-    if value < low or value > high or (low_open and value == low):
+    if value < low or value > high or (low_open and value == low) or (high_open and value == high):
         bracket = "(" if low_open else "["
-        upper = "inf)" if high == math.inf else f"{high}]"
+        upper = "inf)" if high == math.inf else f"{high}{')' if high_open else ']'}"
         raise ValueError(f"{name} must lie in {bracket}{low}, {upper}, got {value!r}")
     return float(value)
 

@@ -805,3 +805,58 @@ def test_optax_init_errors_name_the_leaf(leaf, error, match) -> None:
 
     with pytest.raises(error, match=match):
         scale_by_fismo().init({"enc": {"w": leaf}})
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"adam_learning_rate": -1.0}, r"adam_learning_rate must be a finite number >= 0 or a schedule, got -1.0"),
+        ({"adam_learning_rate": math.nan}, r"adam_learning_rate must be a finite number >= 0 or a schedule"),
+        ({"adam_b1": 1.5}, r"adam_b1 must lie in \[0.0, 1.0\), got 1.5"),
+        ({"adam_b1": 1.0}, r"adam_b1 must lie in \[0.0, 1.0\), got 1.0"),
+        ({"adam_b2": -0.5}, r"adam_b2 must lie in \[0.0, 1.0\), got -0.5"),
+        ({"adam_eps_root": -1.0}, r"adam_eps_root must lie in \[0.0, inf\), got -1.0"),
+        ({"adam_weight_decay": math.nan}, r"adam_weight_decay must be a finite real number, got nan"),
+        ({"adam_weight_decay": -5.0}, r"adam_weight_decay must lie in \[0.0, inf\), got -5.0"),
+    ],
+    ids=lambda v: next(iter(v.items())).__repr__() if isinstance(v, dict) else "",
+)
+def test_optax_training_refuses_bad_adamw_settings_when_built(bad: dict, match: str) -> None:
+    """``fismo_training``'s ``adam_*`` arguments build the other leaves' ``optax.adamw``, which checks none
+    of them: a negative or NaN rate, ``b1`` of 1 (AdamW's bias correction divides by ``1 - b1**t = 0``)
+    trained on without a word (found by a user's hunt). Refused when built, naming the argument; the
+    edges optax's AdamW takes (``b1 = 0``, zero rates and decay) pass."""
+    _optax()
+    from fismo_core.backends.optax import fismo_training
+
+    with pytest.raises(ValueError, match=match):
+        fismo_training(0.02, **bad)
+    fismo_training(0.02, adam_learning_rate=0.0, adam_b1=0.0, adam_b2=0.0, adam_eps_root=0.0, adam_weight_decay=0.0)
+
+
+def test_optax_inverse_root_warning_names_the_leaf() -> None:
+    """backends.md: errors and warnings name the leaf by its pytree path. The core's InverseRootWarning
+    counts a leaf's matrices and cannot name the leaf; the adapter issues it again prefixed with the path
+    (found by a user's hunt: only the InverseRootError named it). ``gamma = 0``, ``mu = 1e-30``: ``Q_t`` is
+    ``G^T G`` of rank 4 of 12 and a floor far below float64's rounding, so the float64 retry fails too."""
+    _optax()
+    import warnings
+
+    from fismo_core.guards import InverseRootWarning
+    from fismo_core.backends.optax import fismo
+
+    rng = np.random.default_rng(0)
+    params = {"encoder": {"kernel": jnp.asarray(rng.standard_normal((4, 12)), jnp.float32)}}
+    grads = {"encoder": {"kernel": jnp.asarray(rng.standard_normal((4, 12)), jnp.float32)}}
+    tx = fismo(0.02, gamma=0.0, mu=1e-30)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        updates, _ = tx.update(grads, tx.init(params), params)
+    messages = [str(w.message) for w in caught if issubclass(w.category, InverseRootWarning)]
+    assert messages and all(m.startswith("leaf ['encoder']['kernel']: FISMO: the inverse square root of")
+                            for m in messages), messages
+    assert bool(jnp.all(jnp.isfinite(updates["encoder"]["kernel"])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InverseRootWarning)  # a user's filter still turns it into an error
+        with pytest.raises(InverseRootWarning, match=r"leaf \['encoder'\]\['kernel'\]"):
+            tx.update(grads, tx.init(params), params)

@@ -305,7 +305,6 @@ def _numpy_gradients() -> dict[str, Any]:
     against the same update on one device, and whether the updates are laid out like the params."""
     import jax
     import jax.numpy as jnp
-    import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from fismo_core.backends.optax import fismo
@@ -328,6 +327,116 @@ def _numpy_gradients() -> dict[str, Any]:
     }
 
 
+def _user_hunt_cases() -> dict[str, Any]:
+    """What a user's hunt found failing on a mesh (2026-12-02), each against its single-device run:
+    a ``beta`` schedule (``inject_hyperparams``) and a replicated array ``beta`` on Explicit axes; a
+    one-device gradient beside sharded ones, eagerly; an eager step whose inverse root fails its check;
+    ``jax.vmap(tx.init)`` over an ensemble."""
+    import inspect
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from fismo_core.backends.optax import fismo
+    from fismo_core.guards import InverseRootError, InverseRootWarning
+    from fismo_core.testing import max_relative_error
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"))  # Explicit axes, jax.make_mesh's default
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rng = np.random.default_rng(7)
+    host = {"w": rng.standard_normal((16, 8)), "b": rng.standard_normal(8)}
+    specs = {"w": PartitionSpec("x", "y"), "b": PartitionSpec("y")}
+    grads = [{k: rng.standard_normal(v.shape) for k, v in host.items()} for _ in range(3)]
+    out: dict[str, Any] = {}
+
+    def run(tx: Any, place: Any, jit: bool) -> dict[str, Any]:
+        def step(p: Any, s: Any, g: Any) -> Any:
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        step = jax.jit(step) if jit else step
+        params = place(host)
+        state = tx.init(params)
+        state = jax.tree.map(lambda x: jax.device_put(x, replicated) if x.ndim == 0 and not x.committed else x,
+                             state) if place is on_mesh else state
+        for g in grads:
+            params, state = step(params, state, place(g))
+        return {k: np.asarray(v) for k, v in params.items()}
+
+    def on_mesh(tree: Any) -> Any:
+        return {k: jax.device_put(jnp.asarray(v), NamedSharding(mesh, specs[k])) for k, v in tree.items()}
+
+    def on_one_device(tree: Any) -> Any:
+        return {k: jax.device_put(jnp.asarray(v), jax.devices()[0]) for k, v in tree.items()}
+
+    def error(got: dict[str, Any], ref: dict[str, Any]) -> float:
+        return max(max_relative_error(got[k] - host[k], ref[k] - host[k]) for k in host)
+
+    # A beta schedule, the docs' recipe (every argument but learning_rate and beta static).
+    static = tuple(n for n in inspect.signature(fismo).parameters if n not in ("learning_rate", "beta"))
+    scheduled = optax.inject_hyperparams(fismo, static_args=static)(
+        learning_rate=0.02, beta=optax.linear_schedule(0.85, 0.95, 3))
+    reference = run(scheduled, on_one_device, jit=True)
+    out["beta_schedule"] = {how: error(run(scheduled, on_mesh, jit), reference)
+                            for how, jit in (("jit", True), ("eager", False))}
+    # An array beta laid out on the mesh, against the number.
+    reference = run(fismo(0.02, beta=0.9), on_one_device, jit=True)
+    tx = fismo(0.02, beta=jax.device_put(jnp.asarray(0.9), replicated))
+    out["beta_array"] = {how: error(run(tx, on_mesh, jit), reference) for how, jit in (("jit", True), ("eager", False))}
+
+    # Eagerly, matrix 'w' on the mesh and matrix 'c''s gradient committed to one device (the gradients'
+    # finiteness check stacked their flags). optax.adamw itself takes no such mix: no bias here.
+    matrices = {"w": host["w"], "c": rng.standard_normal((8, 8))}
+    g = {k: rng.standard_normal(v.shape) for k, v in matrices.items()}
+    tx = fismo(0.02)
+    params = {"w": on_mesh({"w": matrices["w"]})["w"],
+              "c": jax.device_put(jnp.asarray(matrices["c"]), NamedSharding(mesh, PartitionSpec(None, "y")))}
+    mixed = {"w": on_mesh({"w": g["w"]})["w"], "c": jax.device_put(jnp.asarray(g["c"]), jax.devices()[0])}
+    updates, _ = tx.update(mixed, tx.init(params), params)
+    reference, _ = tx.update(on_one_device(g), tx.init(on_one_device(matrices)), on_one_device(matrices))
+    out["one_device_gradient_beside_the_mesh"] = max(
+        max_relative_error(np.asarray(updates[k]), np.asarray(reference[k])) for k in matrices)
+
+    # gamma = 0, mu = 1e-30: Q_t = G^T G (rank 4 of 16) fails its check, in float64 too. Eagerly on the
+    # mesh the step was jitted whole, its checks stepped aside: NaN updates, no warning, no error.
+    leaf = {"w": rng.standard_normal((4, 16))}
+    g = {"w": rng.standard_normal((4, 16))}
+    faults = {}
+    for where, place in (("mesh", lambda t: {"w": jax.device_put(jnp.asarray(t["w"]), NamedSharding(mesh, specs["w"]))}),
+                         ("one device", on_one_device)):
+        for max_failures in (10, 0):
+            tx = fismo(0.02, gamma=0.0, mu=1e-30, inv_root={"max_failures": max_failures})
+            p = place(leaf)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    u, s = tx.update(place(g), tx.init(p), p)
+                    (inner,) = [x for x in jax.tree.leaves(s, is_leaf=lambda x: hasattr(x, "root_failures"))
+                                if hasattr(x, "root_failures")]
+                    result = {"update": np.asarray(u["w"]).tolist(), "root_failures": int(inner.root_failures),
+                              "laid_out_like_param": u["w"].sharding.is_equivalent_to(p["w"].sharding, 2)}
+                except InverseRootError as exc:
+                    result = {"error": str(exc)[:40]}
+            result["warnings"] = [str(w.message)[:50] for w in caught if issubclass(w.category, InverseRootWarning)]
+            faults[f"{where}, max_failures={max_failures}"] = result
+    out["failed_root_eagerly"] = faults
+
+    # jax.vmap(tx.init) over an ensemble on the mesh (JAX's rule on Explicit axes: inside jax.set_mesh).
+    ensemble = {"w": jnp.ones((3, 16, 8)) + jnp.arange(3.0)[:, None, None]}
+    vmapped = {}
+    for axis_type in ("Auto", "Explicit"):
+        m = jax.make_mesh((4, 2), ("x", "y"), axis_types=(getattr(AxisType, axis_type),) * 2)
+        sharded = {"w": jax.device_put(ensemble["w"], NamedSharding(m, PartitionSpec(None, "x", "y")))}
+        with jax.set_mesh(m):
+            state = jax.vmap(fismo(0.02).init)(sharded)
+        vmapped[axis_type] = [tuple(x.shape) for x in jax.tree.leaves(state) if x.ndim == 3]
+    out["vmap_init"] = vmapped
+    return out
+
+
 def _worker() -> None:
     """Every case on 8 host devices; prints ``{case: measurements}`` as one JSON line."""
     import jax
@@ -338,7 +447,7 @@ def _worker() -> None:
     )
     assert jax.device_count() == DEVICES, jax.devices()
     print(json.dumps({**{name: _run_case(name) for name in CASES}, "wrappers": _wrapper_executables(),
-                      "numpy_gradients": _numpy_gradients()}))
+                      "numpy_gradients": _numpy_gradients(), "user_hunt": _user_hunt_cases()}))
 
 
 @pytest.fixture(scope="module")
@@ -458,3 +567,48 @@ def test_jitted_init_layout(results: dict[str, Any]) -> None:
         if len(LEAVES[name][0]) > 2:
             auto[name].pop("M"), expected[name].pop("M")
     assert auto == expected
+
+
+def test_a_beta_schedule_on_explicit_axes_equals_single_device(results: dict[str, Any]) -> None:
+    """``inject_hyperparams(fismo, ...)(beta=schedule)`` (backends.md's momentum warm-up) and a replicated
+    array ``beta``, jitted and eager, on Explicit axes: the core ran in the Auto-axes context of its
+    layout with ``beta`` read from the closure, typed by the Explicit mesh, and JAX refused the mix."""
+    got = results["user_hunt"]
+    for case in ("beta_schedule", "beta_array"):
+        assert max(got[case].values()) <= TRAJECTORY_TOLERANCE, got[case]
+
+
+def test_an_eager_update_takes_one_device_gradients_beside_sharded_ones(results: dict[str, Any]) -> None:
+    """One leaf's gradient committed to one device, the other's on the mesh: the finiteness check stacked
+    flags of both ("incompatible devices"). Eager against eager on other layouts: float64 rounding, 1e-12."""
+    assert results["user_hunt"]["one_device_gradient_beside_the_mesh"] <= 1e-12
+
+
+def test_an_eager_update_on_a_mesh_handles_a_failed_root_as_on_one_device(results: dict[str, Any]) -> None:
+    """A root that fails its check, eagerly, on the mesh: the warning, the fallback (finite updates, the
+    counter), the error past ``max_failures``, as on one device (the step was jitted whole, NaN)."""
+    faults = results["user_hunt"]["failed_root_eagerly"]
+    mesh, one = faults["mesh, max_failures=10"], faults["one device, max_failures=10"]
+    assert mesh["root_failures"] == one["root_failures"] == 1, faults
+    assert mesh["warnings"] == one["warnings"] and mesh["warnings"], faults
+    assert all(w.startswith("leaf ['w']: FISMO: the inverse") for w in mesh["warnings"]), faults
+    assert np.all(np.isfinite(mesh["update"])) and mesh["laid_out_like_param"], faults
+    # The direction is taken again on one device, eagerly, as there: line 9 on the mesh rounds otherwise.
+    assert max_relative_error_of(mesh["update"], one["update"]) <= 1e-12, faults
+    for where in ("mesh", "one device"):
+        assert faults[f"{where}, max_failures=0"] == {"error": faults["one device, max_failures=0"]["error"],
+                                                      "warnings": []}, faults
+    assert faults["mesh, max_failures=0"]["error"].startswith("leaf ['w']: FISMO: the inverse"), faults
+
+
+def test_vmap_of_init_over_an_ensemble_on_a_mesh(results: dict[str, Any]) -> None:
+    """``jax.vmap(tx.init)`` on a mesh: optax's step counts are constants under vmap, and placing them beside
+    the params read the sharding of a vmap tracer (AttributeError). Both axis types, inside jax.set_mesh."""
+    for axis_type, shapes in results["user_hunt"]["vmap_init"].items():
+        assert [3, 16, 8] in shapes, (axis_type, shapes)  # M, one per member of the ensemble (JSON: lists)
+
+
+def max_relative_error_of(a: Any, b: Any) -> float:
+    from fismo_core.testing import max_relative_error
+
+    return max_relative_error(np.asarray(a), np.asarray(b))
