@@ -323,23 +323,48 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
 
 
 # ---------------------------------------------------------------- gradients
-def _agree_across_shards(checks: list) -> list:
+def _agree_across_shards(checks: list, extra: Optional[list] = None) -> tuple[list, Optional[torch.Tensor]]:
     """A sharded (``DTensor``) parameter's flag, reduced (minimum) over its shard group: one all-reduce per group.
 
     Replicas (HSDP) hold the same shards, so the shard group alone decides; every rank then takes the same decision.
+    ``extra``: more ``(group, device)`` pairs (the owner groups) and an int32 flag riding along in the same
+    all-reduces (`read_step_faults`), ``(groups, flag)``; returned reduced over every group, else ``None``.
     """
-    by_group: dict[Any, list[int]] = {}
+    groups, ok = extra if extra is not None else ([], None)
+    by_group: dict[Any, tuple[Any, list[int]]] = {group: (device, []) for group, device in groups}
     for k, (_, _, p, _) in enumerate(checks):
         if is_dtensor(p) and shard_group(p) is not None:
-            by_group.setdefault(shard_group(p), []).append(k)
+            by_group.setdefault(shard_group(p), (local_device(p), []))[1].append(k)
     checks = list(checks)
-    for group, ks in by_group.items():
-        flags = torch.stack([checks[k][3] for k in ks])
+    for group, (device, ks) in by_group.items():
+        flags = torch.stack([checks[k][3].to(device) for k in ks] + ([] if ok is None else [ok.to(device)]))
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
         for k, flag in zip(ks, flags):
             checks[k] = (*checks[k][:3], flag)
-    return checks
+        ok = None if ok is None else flags[-1]
+    return checks, ok
 
+
+def read_step_faults(checks: "GradientChecks", root_faults: list, owner_groups: list) -> tuple["GradientChecks", bool]:
+    """The step's one host read: whether a ``"raise"`` gradient or parameter is not finite, or a root failed.
+
+    The pending finiteness flags of sharded parameters are reduced over their shard groups here, and a
+    root's failure (checked on its owner alone) over ``owner_groups`` (``(group, device)`` pairs, empty
+    where roots are not checked or no rank owns matrices of others), in one all-reduce per group:
+    every rank then takes the same decision, else the ranks that did not raise would wait forever in
+    line 9's collectives for the one that did. Returns the checks with their agreed flags.
+    """
+    if not owner_groups:
+        pending, _ = _agree_across_shards(checks.pending) if checks.pending else (checks.pending, None)
+        checks = checks._replace(pending=pending)
+        return checks, bool(_guards.read_faults(*checks.faults(), *root_faults))
+    local = [flag.reshape(-1).any() for flag in root_faults if flag is not None]
+    device = owner_groups[0][1]
+    failed_here = torch.stack([f.to(device) for f in local]).any() if local else torch.zeros((), dtype=torch.bool,
+                                                                                             device=device)
+    pending, roots_ok = _agree_across_shards(checks.pending, (owner_groups, (~failed_here).to(torch.int32)))
+    checks = checks._replace(pending=pending)
+    return checks, bool(_guards.read_faults(*checks.faults(), roots_ok == 0))
 
 
 class GradientChecks(NamedTuple):
@@ -386,7 +411,9 @@ def check_grads(param_groups: list) -> GradientChecks:
     checks = _finiteness_flags(param_groups)
     policy = [param_groups[gi].get("nonfinite", CORE_DEFAULTS.nonfinite) for gi, *_ in checks]
     skipping = [c for c, rule in zip(checks, policy) if rule == "skip"]
-    raising = [c for c, rule in zip(checks, policy) if rule == "raise"]
+    raising = [c for c, rule in zip(checks, policy) if rule == "raise"]  # agreed at the read (read_step_faults)
+    if skipping:
+        skipping, _ = _agree_across_shards(skipping)
     return GradientChecks(_decide(param_groups, skipping) if skipping else set(), raising)
 
 
@@ -397,11 +424,8 @@ def raise_nonfinite(param_groups: list, checks: GradientChecks) -> None:
 
 
 def _finiteness_flags(param_groups: list) -> list:
-    """``(group index, param index, p, finite)`` of every parameter under ``"raise"`` or ``"skip"``, not read.
-
-    A sharded (FSDP2) gradient's flag is reduced over its shard group, so
-    every rank takes the same decision.
-    """
+    """``(group index, param index, p, finite)`` of every parameter under ``"raise"`` or ``"skip"``, not read
+    and not yet reduced over a shard group (`check_grads`, `read_step_faults`)."""
     checks: list[tuple[int, int, Any, torch.Tensor]] = []  # (group index, param index, p, flag)
     for gi, group in enumerate(param_groups):
         if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "propagate":  # groups of old checkpoints: the default
@@ -414,7 +438,7 @@ def _finiteness_flags(param_groups: list) -> list:
             if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "raise":  # damaged parameters too, same host read
                 finite = finite & _guards.all_finite(_xp, local_tensor(p))
             checks.append((gi, i, p, finite.to(torch.int32)))
-    return _agree_across_shards(checks) if checks else checks
+    return checks
 
 
 def _decide(param_groups: list, checks: list) -> set:

@@ -25,6 +25,7 @@ and ``_torch_precision`` (where bfloat16 is native). See ``docs/torch.md``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -77,6 +78,7 @@ from ._torch_state import (
     new_step_count,
     pack,
     raise_nonfinite,
+    read_step_faults,
     restore_saved_state,
     unpack,
 )
@@ -359,8 +361,28 @@ class FISMO(Optimizer):
             post_hook(self)
 
     def __getstate__(self) -> dict:
-        """As ``Optimizer.__getstate__``, with ``process_group`` (``copy.deepcopy`` and pickling lost it)."""
+        """As ``Optimizer.__getstate__``, with ``process_group`` (pickling lost it); pickling an optimizer with a
+        process group is refused: a ``ProcessGroup`` lives in its process and cannot be pickled."""
+        if self.process_group is not None:
+            raise TypeError(
+                "a FISMO optimizer with a process_group cannot be pickled (a torch.distributed ProcessGroup exists "
+                "in its process only): pickle opt.state_dict() and load it into an optimizer built in the new "
+                "process, or checkpoint with torch.distributed.checkpoint; copy.deepcopy(opt) shares the group"
+            )
+        return self._pickled_state()
+
+    def _pickled_state(self) -> dict:
         return {**super().__getstate__(), "process_group": self.process_group}
+
+    def __deepcopy__(self, memo: dict) -> "FISMO":
+        """A copy of everything but ``process_group``, which the copy shares: a process group is the
+        processes' communicator, not data, and cannot be copied."""
+        if self.process_group is not None:
+            memo.setdefault(id(self.process_group), self.process_group)
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self._pickled_state(), memo))
+        return twin
 
     def __setstate__(self, state: dict) -> None:
         """As ``Optimizer.__setstate__`` (unpickling, and the end of ``load_state_dict``), then `complete_loaded_state`."""
@@ -449,12 +471,28 @@ class FISMO(Optimizer):
             raise
         # The step's one host read: every gradient's finiteness ("raise") and every core call's root checks.
         calls = [call for plan in plans.values() for call in plan.calls]
-        if _guards.read_faults(*checks.faults(), *(call.result.faults for call in calls)):
+        # A root is checked on its owner alone: where ranks own matrices, its failure is agreed over the
+        # owner groups, in the all-reduces of the gradients' flags (only where roots are checked).
+        agree = [] if not any(_guards.checks_roots(plan.core.inv_root, plan.core.nonfinite)
+                              for plan in plans.values()) else _dist.owner_groups(placements)
+        checks, found = read_step_faults(checks, [f for call in calls for f in call.result.faults], agree)
+        if found:
+            refused = None
             try:
                 self._settle(checks, plans)
-            except Exception:
+            except InverseRootError as exc:
+                refused = exc
+            except Exception:  # the gradients' flags: the same on every rank
                 self._forget(created)
                 raise
+            if agree and _dist.any_across(agree, refused is not None) and refused is None:
+                refused = InverseRootError(
+                    "FISMO: an inverse root failed beyond InverseRootConfig.max_failures on another rank, which "
+                    "owns the matrix and names it in its own InverseRootError; no rank took the step", ()
+                )
+            if refused is not None:
+                self._forget(created)
+                raise refused
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 adamw_group_step(self.state, group, checks.skip)

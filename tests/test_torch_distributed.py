@@ -234,6 +234,44 @@ def _run_nan_in_one_shard(rank: int, X, Y) -> dict:
     return {"error": error, "changed": changed}
 
 
+def _run_root_failure(rank: int, X, Y, mode: str) -> dict:
+    """``gamma = 0``, ``mu = 1e-30``, ``max_failures = 0`` on the first matrix (16, 12): its ``P_t`` (16 x 16, rank
+    12) fails its check in float64 too, on its owner alone. Every rank must raise ``InverseRootError``
+    (the others waited in line 9's collectives for the owner, which had raised). What each rank raised,
+    whether it owns the matrix, how long its step took, and whether anything changed."""
+    from fismo_core.backends.torch import FISMO, InverseRootError
+
+    model = _model()
+    kwargs = {}
+    if mode == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        kwargs["process_group"] = dist.group.WORLD
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for module in model:
+            if isinstance(module, torch.nn.Linear):
+                fully_shard(module, mesh=mesh)
+        net = model = fully_shard(model, mesh=mesh)
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    biases = [p for p in model.parameters() if p.ndim == 1]
+    opt = FISMO([{"params": weights[:1], "gamma": 0.0, "mu": 1e-30, "inv_root": {"max_failures": 0}},
+                 {"params": weights[1:]}, {"params": biases, "algorithm": "adamw"}], lr=LR, **kwargs)
+    torch.nn.functional.mse_loss(net(X), Y).backward()
+    before = [_full(p) for p in model.parameters()]
+    start = time.monotonic()
+    try:
+        opt.step()
+        error = None
+    except InverseRootError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - start, "owns": "P" in opt.state.get(weights[0], {}),
+            "changed": any(not torch.equal(a, _full(b)) for a, b in zip(before, model.parameters())),
+            "states": len(opt.state)}
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -245,7 +283,8 @@ def _worker(rank: int, store: str, out: str) -> None:
         X, Y = X.chunk(WORLD)[rank], Y.chunk(WORLD)[rank]  # each rank its half of the batch
         results = {"ddp": _run_ddp(rank, X, Y), "fsdp2": _run_fsdp2(rank, X, Y),
                    "nan in one shard": _run_nan_in_one_shard(rank, X, Y),
-                   "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y)}
+                   "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y),
+                   **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")}}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -440,3 +479,39 @@ def test_an_adamw_state_of_another_layout_is_refused_at_load(one_rank_group):
                                          r"a DTensor.*get_state_dict / set_state_dict"):
         opt.load_state_dict(plain_opt.state_dict())
     assert opt.state_dict() == before
+
+
+def test_a_deep_copy_shares_the_process_group_and_pickling_it_is_refused(one_rank_group):
+    """docs/torch.md: ``copy.deepcopy(opt)`` keeps everything; with a real ``process_group`` it raised
+    ``cannot pickle 'ProcessGroup' object`` (found by a user's hunt; the earlier test had none). The copy
+    shares the group and steps as the original does, bit for bit; pickling says what to pickle instead."""
+    import pickle
+
+    model = _model()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    X, Y = _data()
+    _train(model, opt, X, Y, range(1))
+    twin_model, twin_opt = copy.deepcopy((model, opt))
+    assert twin_opt.process_group is opt.process_group
+    _train(model, opt, X, Y, range(1, 2))
+    _train(twin_model, twin_opt, X, Y, range(1, 2))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    with pytest.raises(TypeError, match=r"with a process_group cannot be pickled .* pickle opt.state_dict\(\)"):
+        pickle.dumps(opt)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_root_failure_on_its_owner_is_refused_on_every_rank(runs, mode):
+    """An inverse root beyond ``max_failures`` raised on its owner only; the other rank waited in line 9's
+    collective for it (found by a user's hunt: gloo's "Connection closed by peer" once the owner's
+    process ended, a hang until the group's timeout in a run that goes on). Its failure now rides in the
+    step's all-reduce of the flags: every rank raises at once, nothing changed, no state created. The
+    owner names the parameter; the other says that another rank owns it."""
+    results = [run[f"{mode}, failed root"] for run in runs]
+    owner = [r for r in results if r["owns"]]
+    assert len(owner) == 0  # the step was refused: no rank kept the state it would have created
+    assert all(r["error"] is not None and not r["changed"] and r["states"] == 0 for r in results), results
+    assert all(r["seconds"] < 20 for r in results), results  # the gloo timeout of the spawn is 60 s
+    errors = sorted(r["error"] for r in results)
+    assert errors[0].startswith("FISMO: an inverse root failed beyond InverseRootConfig.max_failures on another rank")
+    assert errors[1].endswith("The failing parameters: parameter 0 of param group 0 (shape (16, 12))"), errors[1]
