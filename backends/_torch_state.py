@@ -74,6 +74,30 @@ def complete_loaded_state(state: dict, param_groups: list) -> None:
                 state[p]["step"] = torch.tensor(float(step), dtype=dtype, device=STEP_COUNT_DEVICE)
 
 
+def keep_elsewhere(state: dict, p: torch.Tensor, block_size: Optional[int]) -> dict:
+    """Fill ``state`` for a distributed matrix that another rank owns: its step count, and an empty
+    placeholder (0 elements) under each key the owner keeps. Returns ``state``.
+
+    Only the owner holds the matrix's statistics, but ``torch.distributed.checkpoint``'s flattened
+    optimizer state dicts (``StateDictOptions(flatten_optimizer_state_dict=True)``, torchtitan's) rebuild
+    each parameter's state on load from the keys of the live one: with its step count alone, a rank
+    dropped the shards of the owner's tensors that DCP had loaded there (FSDP2: the owner's gather then
+    failed, gloo's "Received data size doesn't match"; DDP: a KeyError). The placeholders carry the keys.
+    """
+    state.setdefault("step", new_step_count())
+    dtype, device = state_dtype(p.dtype), local_device(p)
+    for key in _fismo.state_layout(*_fismo.matrix_shape(p.shape), block_size):
+        state.setdefault(key, torch.empty(0, dtype=dtype, device=device))
+    for key in COUNTER_KEYS:
+        state.setdefault(key, torch.empty(0, dtype=torch.int32, device=device))
+    return state
+
+
+def kept_elsewhere(state: Optional[dict]) -> bool:
+    """Whether ``state`` is that of a matrix another rank owns (`keep_elsewhere`), or no matrix state at all."""
+    return not state or "M" not in state or state["M"].numel() == 0
+
+
 def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype, name: str = "W") -> dict:
     """Fill an empty ``state`` from ``core.init`` for a matrix of ``G``'s shape and parameter dtype ``dtype``.
 
@@ -242,7 +266,7 @@ def restore_saved_state(
     The base class casts every floating state tensor to its parameter's
     dtype; the statistics are restored in the state dtype, the counters as
     int32 (0 when the checkpoint predates them). A rank that does not own a
-    distributed matrix (``owns(p)`` false) keeps only its step count.
+    distributed matrix (``owns(p)`` false) keeps its step count and placeholders (`keep_elsewhere`).
     """
     for saved_group, group in zip(saved_groups, param_groups):
         if group.get("algorithm", "fismo") != "fismo":
@@ -259,6 +283,7 @@ def restore_saved_state(
                 step = s.get("step")
                 s.clear()
                 s["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step or 0))
+                keep_elsewhere(s, p, group.get("block_size"))
                 continue
             dtype = state_dtype(p.dtype)
             device = local_device(p)

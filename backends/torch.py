@@ -75,7 +75,8 @@ from ._torch_state import (
     exported_state,
     full_saved_state,
     init_matrix_state,
-    new_step_count,
+    keep_elsewhere,
+    kept_elsewhere,
     pack,
     raise_nonfinite,
     read_step_faults,
@@ -608,9 +609,9 @@ class FISMO(Optimizer):
     def _check_states_fit(self, group: dict, core: _CoreFISMO) -> None:
         """The group's existing states have the layout of ``core.block_size`` (a state cannot change its blocks)."""
         for p in group["params"]:
-            state = self.state.get(p)
-            if not state or "M" not in state:  # no state yet, or a rank that does not own the matrix
+            if kept_elsewhere(self.state.get(p)):  # no state yet, or a rank that does not own the matrix
                 continue
+            state = self.state[p]
             layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), core.block_size)
             factors = set(state) - {"step", *COUNTER_KEYS}
             if factors != set(layout) or any(tuple(state[k].shape) != tuple(s) for k, s in layout.items()):
@@ -715,7 +716,7 @@ class FISMO(Optimizer):
                 dev = _dist.local_device(p)
                 self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=dev))["skipped"] += 1
             else:
-                self.state[p].setdefault("step", new_step_count())
+                keep_elsewhere(self.state[p], p, core.block_size)
         directions = {}
         for call in plan.calls:
             m, n = call.G.shape[-2:]
@@ -724,8 +725,7 @@ class FISMO(Optimizer):
             directions.update(zip(call.params, call.result.direction.unbind(0)))
         for p, placement in plan.stepping:  # every rank counts the steps of every matrix (checkpoints need it)
             if not placement.owns:
-                self.state[p].setdefault("step", new_step_count())
-                self.state[p]["step"] += 1
+                keep_elsewhere(self.state[p], p, core.block_size)["step"] += 1
 
         # 3. Apply: line 9, W <- (1 - lr * weight_decay) W - lr' * dW, on each rank's data, then synchronise.
         lr = group["lr"]  # a float, or a one-element tensor (kept a tensor: schedulers may change it under torch.compile)

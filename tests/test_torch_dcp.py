@@ -74,22 +74,30 @@ def _params(model) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------- checkpoints
-def _save(model, opt, path: Path) -> None:
+def _options(flatten: bool):
+    """``get_state_dict``'s defaults, or torchtitan's ``flatten_optimizer_state_dict=True``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True) if flatten else None
+
+
+def _save(model, opt, path: Path, flatten: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=_options(flatten))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
 
 
-def _load(model, opt, path: Path) -> None:
+def _load(model, opt, path: Path, flatten: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=_options(flatten))
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(flatten))
 
 
 def _full_options():
@@ -122,11 +130,13 @@ def _first(rank: int, world: int, ckpt: Path) -> dict:
     opt = _optimizer(model)
     _train(model, opt, X, Y, range(RESUME_AT))
     _save(model, opt, ckpt / "fsdp2-2")
+    _save(model, opt, ckpt / "fsdp2-2-flat", flatten=True)
     _save_consolidated(model, opt, rank, ckpt / "fsdp2-2-full.pt")
     model, net = _ddp()
     opt = _optimizer(model, process_group=dist.group.WORLD)
     _train(net, opt, X, Y, range(RESUME_AT))
     _save(net, opt, ckpt / "ddp-2")
+    _save(net, opt, ckpt / "ddp-2-flat", flatten=True)
     return {}
 
 
@@ -147,6 +157,18 @@ def _second(rank: int, world: int, ckpt: Path) -> dict:
     _load(net, opt, ckpt / "ddp-2")
     _train(net, opt, X, Y, range(RESUME_AT, STEPS))
     out["ddp 2->4"] = _params(model)
+
+    # torchtitan's flattened state dicts: torch rebuilds each parameter's state from the live one's keys.
+    model = _fsdp2(mesh)
+    opt = _optimizer(model)
+    _load(model, opt, ckpt / "fsdp2-2-flat", flatten=True)
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    out["fsdp2 2->4, flattened"] = _params(model)
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _load(net, opt, ckpt / "ddp-2-flat", flatten=True)
+    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
+    out["ddp 2->4, flattened"] = _params(model)
 
     model = _fsdp2(mesh)
     opt = _optimizer(model)
@@ -234,7 +256,8 @@ def _worst(params: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
 TOL = 1e-10
 
 
-@pytest.mark.parametrize("run", ["fsdp2 2->4", "ddp 2->4", "hsdp 2x2", "fsdp2 Shard(1)", "tensor parallel"])
+@pytest.mark.parametrize("run", ["fsdp2 2->4", "ddp 2->4", "fsdp2 2->4, flattened", "ddp 2->4, flattened",
+                                 "hsdp 2x2", "fsdp2 Shard(1)", "tensor parallel"])
 def test_four_ranks_equal_the_single_process_run(runs, single_process, run):
     results = [r[run] for r in runs["second"]]
     for other in results[1:]:

@@ -95,8 +95,13 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
 
 
+def _owns(opt, p) -> bool:
+    """Whether this rank holds ``p``'s FISMO statistics (another rank's matrix has empty placeholders)."""
+    return "P" in opt.state.get(p, {}) and opt.state[p]["P"].numel() > 0
+
+
 def _matrix_state_owners(model, opt) -> list[int]:
-    return [i for i, p in enumerate(model.parameters()) if "P" in opt.state.get(p, {})]
+    return [i for i, p in enumerate(model.parameters()) if _owns(opt, p)]
 
 
 def _state_shapes(model, opt) -> dict[int, dict[str, tuple]]:
@@ -104,7 +109,7 @@ def _state_shapes(model, opt) -> dict[int, dict[str, tuple]]:
     return {
         i: {k: tuple(v.shape) for k, v in opt.state[p].items() if k.startswith(("P", "Q"))}
         for i, p in enumerate(model.parameters())
-        if "P" in opt.state.get(p, {})
+        if _owns(opt, p)
     }
 
 
@@ -267,7 +272,7 @@ def _run_root_failure(rank: int, X, Y, mode: str) -> dict:
         error = None
     except InverseRootError as exc:
         error = str(exc)
-    return {"error": error, "seconds": time.monotonic() - start, "owns": "P" in opt.state.get(weights[0], {}),
+    return {"error": error, "seconds": time.monotonic() - start, "owns": _owns(opt, weights[0]),
             "changed": any(not torch.equal(a, _full(b)) for a, b in zip(before, model.parameters())),
             "states": len(opt.state)}
 
