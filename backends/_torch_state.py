@@ -75,27 +75,24 @@ def complete_loaded_state(state: dict, param_groups: list) -> None:
 
 
 def keep_elsewhere(state: dict, p: torch.Tensor, block_size: Optional[int]) -> dict:
-    """Fill ``state`` for a distributed matrix that another rank owns: its step count, and an empty
-    placeholder (0 elements) under each key the owner keeps. Returns ``state``.
+    """Fill ``state`` for a distributed matrix that another rank owns: its step count, and under each key
+    the owner keeps a placeholder of the owner's shape and dtype on the ``meta`` device (no memory).
+    Returns ``state``.
 
     Only the owner holds the matrix's statistics, but ``torch.distributed.checkpoint``'s flattened
     optimizer state dicts (``StateDictOptions(flatten_optimizer_state_dict=True)``, torchtitan's) rebuild
     each parameter's state on load from the keys of the live one: with its step count alone, a rank
     dropped the shards of the owner's tensors that DCP had loaded there (FSDP2: the owner's gather then
-    failed, gloo's "Received data size doesn't match"; DDP: a KeyError). The placeholders carry the keys.
+    failed, gloo's "Received data size doesn't match"; DDP: a KeyError). The placeholders carry the keys,
+    and their shapes let every rank check a changed ``block_size`` as the owner does.
     """
     state.setdefault("step", new_step_count())
-    dtype, device = state_dtype(p.dtype), local_device(p)
-    for key in _fismo.state_layout(*_fismo.matrix_shape(p.shape), block_size):
-        state.setdefault(key, torch.empty(0, dtype=dtype, device=device))
+    dtype = state_dtype(p.dtype)
+    for key, shape in _fismo.state_layout(*_fismo.matrix_shape(p.shape), block_size).items():
+        state.setdefault(key, torch.empty(shape, dtype=dtype, device="meta"))
     for key in COUNTER_KEYS:
-        state.setdefault(key, torch.empty(0, dtype=torch.int32, device=device))
+        state.setdefault(key, torch.empty((), dtype=torch.int32, device="meta"))
     return state
-
-
-def kept_elsewhere(state: Optional[dict]) -> bool:
-    """Whether ``state`` is that of a matrix another rank owns (`keep_elsewhere`), or no matrix state at all."""
-    return not state or "M" not in state or state["M"].numel() == 0
 
 
 def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: torch.dtype, name: str = "W") -> dict:

@@ -76,7 +76,6 @@ from ._torch_state import (
     full_saved_state,
     init_matrix_state,
     keep_elsewhere,
-    kept_elsewhere,
     pack,
     raise_nonfinite,
     read_step_faults,
@@ -609,9 +608,10 @@ class FISMO(Optimizer):
     def _check_states_fit(self, group: dict, core: _CoreFISMO) -> None:
         """The group's existing states have the layout of ``core.block_size`` (a state cannot change its blocks)."""
         for p in group["params"]:
-            if kept_elsewhere(self.state.get(p)):  # no state yet, or a rank that does not own the matrix
+            state = self.state.get(p)
+            if not state or "M" not in state:  # no state yet
                 continue
-            state = self.state[p]
+            # Every rank checks (another rank's matrix by its placeholders' shapes), so all refuse together.
             layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), core.block_size)
             factors = set(state) - {"step", *COUNTER_KEYS}
             if factors != set(layout) or any(tuple(state[k].shape) != tuple(s) for k, s in layout.items()):

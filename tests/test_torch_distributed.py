@@ -96,8 +96,8 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 def _owns(opt, p) -> bool:
-    """Whether this rank holds ``p``'s FISMO statistics (another rank's matrix has empty placeholders)."""
-    return "P" in opt.state.get(p, {}) and opt.state[p]["P"].numel() > 0
+    """Whether this rank holds ``p``'s FISMO statistics (another rank's matrix has placeholders on ``meta``)."""
+    return "P" in opt.state.get(p, {}) and not opt.state[p]["P"].is_meta
 
 
 def _matrix_state_owners(model, opt) -> list[int]:
@@ -277,6 +277,27 @@ def _run_root_failure(rank: int, X, Y, mode: str) -> dict:
             "states": len(opt.state)}
 
 
+def _run_block_size_changed(rank: int, X, Y) -> dict:
+    """DDP: a group of one matrix (16, 12), owned by one rank, whose ``block_size`` is set to 8 after a step.
+    What each rank's next step raised (the owner refused it; the other rank went on into line 9's broadcast)."""
+    from fismo_core.backends.torch import FISMO
+
+    model = _model()
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    biases = [p for p in model.parameters() if p.ndim == 1]
+    opt = FISMO([{"params": weights[:1]}, {"params": weights[1:]}, {"params": biases, "algorithm": "adamw"}],
+                lr=LR, process_group=dist.group.WORLD)
+    _train(net, opt, X, Y, range(1))
+    opt.param_groups[0]["block_size"] = 8
+    try:
+        _train(net, opt, X, Y, range(1, 2))
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error, "owns": _owns(opt, weights[0])}
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -289,7 +310,8 @@ def _worker(rank: int, store: str, out: str) -> None:
         results = {"ddp": _run_ddp(rank, X, Y), "fsdp2": _run_fsdp2(rank, X, Y),
                    "nan in one shard": _run_nan_in_one_shard(rank, X, Y),
                    "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y),
-                   **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")}}
+                   **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
+                   "block size changed": _run_block_size_changed(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -520,3 +542,13 @@ def test_a_root_failure_on_its_owner_is_refused_on_every_rank(runs, mode):
     errors = sorted(r["error"] for r in results)
     assert errors[0].startswith("FISMO: an inverse root failed beyond InverseRootConfig.max_failures on another rank")
     assert errors[1].endswith("The failing parameters: parameter 0 of param group 0 (shape (16, 12))"), errors[1]
+
+
+def test_a_changed_block_size_is_refused_on_every_rank(runs):
+    """A rank that owned no matrix of the group did not check it and went on into line 9's broadcast, to wait
+    for the owner, which had refused the step. The other ranks' placeholders (``meta`` tensors of the owner's
+    shapes, kept since DCP's flattened state dicts needed their keys) let every rank check it."""
+    results = [run["block size changed"] for run in runs]
+    assert sorted(r["owns"] for r in results) == [False, True]
+    for r in results:
+        assert r["error"] and "block_size=8 splits parameter 0 of param group 0 (shape (16, 12))" in r["error"], r
