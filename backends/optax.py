@@ -361,8 +361,12 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
         in, and the ``flags`` more arrays ``step`` returns (fault flags) replicated."""
         mesh = _mesh(g)
         if _is_explicit(mesh):
-            out = jax.tree.map(lambda x: NamedSharding(mesh, jax.typeof(x).sharding.spec), (g, s))
-            out = (*out, *[NamedSharding(mesh, PartitionSpec())] * flags)
+            # The state as init lays it out, from the gradient's layout (the leaf's, in the types): also a
+            # state that comes from elsewhere (a host copy: replicated) leaves laid out as init's.
+            spec = jax.typeof(g).sharding.spec
+            m, n = _matrix_dims(tuple(g.shape), matrix_shape)
+            specs = _state_specs(core, mesh, m, n, _matrix_spec(spec, tuple(g.shape), matrix_shape))
+            out = (NamedSharding(mesh, spec), _shardings(mesh, specs), *[NamedSharding(mesh, PartitionSpec())] * flags)
             if isinstance(core.beta, numbers.Number):
                 return jax.sharding.auto_axes(step, out_sharding=out)(g, s)
             # An array beta (a schedule) is typed by its own layout, Explicit axes included: it enters the

@@ -424,6 +424,19 @@ def _user_hunt_cases() -> dict[str, Any]:
             faults[f"{where}, max_failures={max_failures}"] = result
     out["failed_root_eagerly"] = faults
 
+    # A state resumed from a host copy (jax.device_get, pickle) on Explicit axes: its M came back replicated.
+    tx = fismo(0.02, block_size=4)
+    params = on_mesh(host)
+    state = tx.init(params)
+    _, state = tx.update(on_mesh(grads[0]), state, params)
+    resumed = {}
+    for how, update in (("eager", tx.update), ("jit", jax.jit(tx.update))):
+        _, after = update(on_mesh(grads[1]), jax.device_get(state), params)
+        (inner,) = [x for x in jax.tree.leaves(after, is_leaf=lambda x: hasattr(x, "root_failures"))
+                    if hasattr(x, "root_failures")]
+        resumed[how] = _layout(inner.M)
+    out["resumed_from_host_M"] = resumed
+
     # jax.vmap(tx.init) over an ensemble on the mesh (JAX's rule on Explicit axes: inside jax.set_mesh).
     ensemble = {"w": jnp.ones((3, 16, 8)) + jnp.arange(3.0)[:, None, None]}
     vmapped = {}
@@ -612,3 +625,10 @@ def max_relative_error_of(a: Any, b: Any) -> float:
     from fismo_core.testing import max_relative_error
 
     return max_relative_error(np.asarray(a), np.asarray(b))
+
+
+def test_a_state_resumed_from_a_host_copy_is_laid_out_as_init_lays_it_out(results: dict[str, Any]) -> None:
+    """On Explicit axes the step's outputs took the incoming state's layout: a state from ``jax.device_get``
+    came back with ``M`` replicated (found by a user's hunt). They take init's layout, read from the
+    gradient's type: ``M`` like the leaf."""
+    assert results["user_hunt"]["resumed_from_host_M"] == {"eager": ["x", "y"], "jit": ["x", "y"]}
