@@ -299,10 +299,10 @@ def _replicated(x: Any, like: Any) -> Any:
 class _LeafPrograms(NamedTuple):
     """What `scale_by_fismo` runs per leaf, for one core and one ``matrix_shape`` (`_leaf_programs`)."""
 
-    leaf_direction: Callable[[Any, FISMOState], tuple[Any, FISMOState]]
+    leaf_direction: Callable[..., tuple[Any, FISMOState]]
     init_on_mesh: Callable[..., FISMOState]
-    update_on_mesh: Callable[[Any, FISMOState], tuple[Any, FISMOState]]
-    checked_update_on_mesh: Callable[[Any, FISMOState], tuple[Any, FISMOState, Any]]
+    update_on_mesh: Callable[..., tuple[Any, FISMOState]]
+    checked_update_on_mesh: Callable[..., tuple[Any, FISMOState, Any]]
 
 
 @functools.lru_cache(maxsize=64)
@@ -312,7 +312,10 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
     ``optax.inject_hyperparams`` builds the transformation again at every
     ``update``; new ``jax.jit`` objects would then compile the eager mesh
     programs again at every step. A core is a frozen dataclass: equal
-    hyperparameters share them.
+    hyperparameters share them. Each function takes an array ``beta`` (a
+    schedule) as its last argument, ``None`` for the core's own number:
+    the programs of an array ``beta`` are built for a core with a number in
+    its place (`scale_by_fismo`), so that they too are built once.
     """
     every = core.inv_root.every
 
@@ -336,7 +339,7 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
 
     def leaf_direction(g: Any, s: FISMOState, beta: Any = None) -> tuple[Any, FISMOState]:
         """One leaf's direction (shaped and typed like ``g``) and new state; ``beta``, if given, in place of
-        the core's (an array ``beta`` passed in rather than read from the closure, see `update_on_mesh`)."""
+        the core's."""
         d, s = _direction(_as_matrix(g, matrix_shape), s, _with_beta(beta))
         return jnp.reshape(d, g.shape).astype(g.dtype), s
 
@@ -356,9 +359,9 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
             return jax.sharding.auto_axes(build, out_sharding=out)(p)
         return _place_state(build(p), mesh, M_like=_as_matrix(p, matrix_shape), M_spec=M_spec)
 
-    def laid_out(step: Callable[..., tuple], g: Any, s: FISMOState, flags: int = 0) -> tuple:
-        """``step(g, s[, beta])`` for a leaf on a mesh: the direction laid out like ``g``, the state as it came
-        in, and the ``flags`` more arrays ``step`` returns (fault flags) replicated."""
+    def laid_out(step: Callable[..., tuple], g: Any, s: FISMOState, beta: Any, flags: int = 0) -> tuple:
+        """``step(g, s, beta)`` for a leaf on a mesh: the direction laid out like ``g``, the state as init lays
+        it out, and the ``flags`` more arrays ``step`` returns (fault flags) replicated."""
         mesh = _mesh(g)
         if _is_explicit(mesh):
             # The state as init lays it out, from the gradient's layout (the leaf's, in the types): also a
@@ -367,19 +370,17 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
             m, n = _matrix_dims(tuple(g.shape), matrix_shape)
             specs = _state_specs(core, mesh, m, n, _matrix_spec(spec, tuple(g.shape), matrix_shape))
             out = (NamedSharding(mesh, spec), _shardings(mesh, specs), *[NamedSharding(mesh, PartitionSpec())] * flags)
-            if isinstance(core.beta, numbers.Number):
-                return jax.sharding.auto_axes(step, out_sharding=out)(g, s)
             # An array beta (a schedule) is typed by its own layout, Explicit axes included: it enters the
-            # Auto-axes computation as an argument (retyped there, as g and s are), not from the closure.
-            return jax.sharding.auto_axes(step, out_sharding=out)(g, s, core.beta)
-        d, s_new, *more = step(g, s)
+            # Auto-axes computation as an argument (retyped there, as g and s are), not from a closure.
+            return jax.sharding.auto_axes(step, out_sharding=out)(*((g, s) if beta is None else (g, s, beta)))
+        d, s_new, *more = step(g, s, beta)
         return (shard_alike(d, g)[0], _place_state(s_new, mesh, M_like=s.M), *more)
 
-    def update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
+    def update_on_mesh(g: Any, s: FISMOState, beta: Any = None) -> tuple[Any, FISMOState]:
         """`leaf_direction` for a leaf on a mesh, laid out (`laid_out`)."""
-        return laid_out(leaf_direction, g, s)
+        return laid_out(leaf_direction, g, s, beta)
 
-    def checked_update_on_mesh(g: Any, s: FISMOState) -> tuple[Any, FISMOState, Any]:
+    def checked_update_on_mesh(g: Any, s: FISMOState, beta: Any = None) -> tuple[Any, FISMOState, Any]:
         """`update_on_mesh` at a step whose roots are recomputed and checked, eagerly: also the roots'
         fault flag (`FISMO.direction_with_faults`), for `scale_by_fismo` to read. Where it is not set,
         the direction and state are `update_on_mesh`'s, bit for bit."""
@@ -388,7 +389,7 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
             result = _with_beta(beta).direction_with_faults(_as_matrix(g, matrix_shape), s, refresh_roots=True)
             return jnp.reshape(result.direction, g.shape).astype(g.dtype), result.state, result.faults.roots
 
-        return laid_out(step, g, s, flags=1)
+        return laid_out(step, g, s, beta, flags=1)
 
     # Compiled once per leaf shape and layout; inside the caller's jax.jit they are inlined. Eagerly the
     # core cannot run on a mesh op by op: its factors and M live on different shardings, which it
@@ -477,19 +478,24 @@ def scale_by_fismo(
     )
 
     # An array beta (inject_hyperparams' schedule; a tracer under jit) is not hashable and changes at
-    # every update: its programs are built for this transformation alone.
-    build = _leaf_programs if isinstance(beta, numbers.Number) else _leaf_programs.__wrapped__
-    leaf_direction, init_on_mesh, update_on_mesh, checked_update_on_mesh = build(core, matrix_shape)
+    # every update: it is passed to the programs of the same core with a number in its place.
+    array_beta = None if isinstance(core.beta, numbers.Number) else core.beta
+    programs_core = core if array_beta is None else dataclasses.replace(core, beta=_DEFAULTS.beta)
+    leaf_direction, init_on_mesh, update_on_mesh, checked_update_on_mesh = _leaf_programs(programs_core, matrix_shape)
     checked = _guards.checks_roots(core.inv_root, core.nonfinite)
 
     def leaf_update(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
         """One leaf's direction and state, wherever it lives: on one device op by op (the core's fault
         handling included), on a mesh compiled, and there, eagerly, with the roots' fault handling too."""
         if _mesh(g) is None:
-            return leaf_direction(g, s)
-        if not checked or isinstance(g, jax.core.Tracer) or not core.inv_root.is_refresh_step(int(s.step)):
-            return update_on_mesh(g, s)  # under jax.jit the checks step aside, as on one device
-        d, s_new, failed = checked_update_on_mesh(g, s)
+            return leaf_direction(g, s, array_beta)
+        if isinstance(g, jax.core.Tracer):
+            return update_on_mesh(g, s, array_beta)  # under jax.jit the checks step aside, as on one device
+        # Eagerly, a concrete array beta goes into the programs beside the mesh's arrays: replicated there.
+        beta = array_beta if array_beta is None or _mesh(array_beta) is not None else _replicated(array_beta, g)
+        if not checked or not core.inv_root.is_refresh_step(int(s.step)):
+            return update_on_mesh(g, s, beta)
+        d, s_new, failed = checked_update_on_mesh(g, s, beta)
         if not read_faults(failed):
             return d, s_new
         # A root failed its check: the fault handling of InverseRootConfig (float64 retry, fallback to
@@ -497,8 +503,7 @@ def scale_by_fismo(
         # do on a mesh. The leaf's step is taken again on one device and laid out as the mesh's was.
         device = g.sharding.mesh.devices.flat[0]
         # Through the host: JAX places no array typed by Explicit mesh axes on one device.
-        g1, s1, beta = jax.device_put(jax.device_get((g, s, None if isinstance(core.beta, numbers.Number)
-                                                                    else core.beta)), device)
+        g1, s1, beta = jax.device_put(jax.device_get((g, s, array_beta)), device)
         d1, s1 = leaf_direction(g1, s1, beta)
         return jax.device_put(d1, d.sharding), jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), s1, s_new)
 

@@ -288,15 +288,20 @@ def _wrapper_executables() -> dict[str, int]:
     # Eager updates of inject_hyperparams(fismo), which builds the transformation again at every update:
     # the XLA compilations after the first step (each step compiled its mesh programs again before they
     # were cached per core).
-    tx = optax.inject_hyperparams(fismo, static_args=static)(learning_rate=0.02)
-    opt_state, p = tx.init(params), params
-    before = None
-    for i in range(3):
-        before = len(COMPILES) if i == 1 else before
-        updates, opt_state = tx.update(jax.tree.map(lambda x: 0.1 * x + i, p), opt_state, p)
-        p = optax.apply_updates(p, updates)
-    jax.block_until_ready(p)
-    out["eager inject_hyperparams, compilations after the first step"] = len(COMPILES) - before
+    # The same with beta scheduled too (an array beta: its programs were built anew at every update).
+    with_beta = tuple(n for n in static if n != "beta")
+    for name, tx in (("eager inject_hyperparams", optax.inject_hyperparams(fismo, static_args=static)(
+                         learning_rate=0.02)),
+                     ("eager inject_hyperparams, beta scheduled", optax.inject_hyperparams(
+                         fismo, static_args=with_beta)(learning_rate=0.02, beta=optax.linear_schedule(0.85, 0.95, 3)))):
+        opt_state, p = tx.init(params), params
+        before = None
+        for i in range(3):
+            before = len(COMPILES) if i == 1 else before
+            updates, opt_state = tx.update(jax.tree.map(lambda x: 0.1 * x + i, p), opt_state, p)
+            p = optax.apply_updates(p, updates)
+        jax.block_until_ready(p)
+        out[f"{name}, compilations after the first step"] = len(COMPILES) - before
     return out
 
 
@@ -384,8 +389,12 @@ def _user_hunt_cases() -> dict[str, Any]:
                             for how, jit in (("jit", True), ("eager", False))}
     # An array beta laid out on the mesh, against the number.
     reference = run(fismo(0.02, beta=0.9), on_one_device, jit=True)
-    tx = fismo(0.02, beta=jax.device_put(jnp.asarray(0.9), replicated))
-    out["beta_array"] = {how: error(run(tx, on_mesh, jit), reference) for how, jit in (("jit", True), ("eager", False))}
+    out["beta_array"] = {}
+    for where, beta in (("replicated", jax.device_put(jnp.asarray(0.9), replicated)),
+                        ("on one device", jax.device_put(jnp.asarray(0.9), jax.devices()[0]))):
+        tx = fismo(0.02, beta=beta)
+        out["beta_array"].update({f"{where}, {how}": error(run(tx, on_mesh, jit), reference)
+                                  for how, jit in (("jit", True), ("eager", False))})
 
     # Eagerly, matrix 'w' on the mesh and matrix 'c''s gradient committed to one device (the gradients'
     # finiteness check stacked their flags). optax.adamw itself takes no such mix: no bias here.
@@ -541,9 +550,12 @@ def test_jitted_step_compiles_once(results: dict[str, Any], case: str) -> None:
 def test_optax_wrappers_compile_once_with_their_counters_placed(results: dict[str, Any]) -> None:
     """backends.md: inject_hyperparams, MultiSteps and apply_if_finite make counters on the default device
     (two executables on a mesh, as optax.adamw alone); placed after init as the page shows, one. And eager
-    updates of inject_hyperparams(fismo) compile nothing after the first step (they compiled at every step)."""
+    updates of inject_hyperparams(fismo) compile nothing after the first step (they compiled at every step),
+    with beta scheduled too (until 2026-12-02 an array beta's programs were built for each update, about
+    2 s a step on 8 host devices: found by a user's hunt)."""
     assert results["wrappers"] == {"inject_hyperparams": 1, "MultiSteps": 1, "apply_if_finite": 1,
-                                   "eager inject_hyperparams, compilations after the first step": 0}
+                                   "eager inject_hyperparams, compilations after the first step": 0,
+                                   "eager inject_hyperparams, beta scheduled, compilations after the first step": 0}
 
 
 def test_eager_update_on_a_mesh_with_numpy_gradients(results: dict[str, Any]) -> None:
