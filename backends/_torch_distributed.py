@@ -368,16 +368,6 @@ def owner_groups(placements: dict[torch.Tensor, "Placement"]) -> list[tuple[Any,
     return list(groups.items())
 
 
-def any_across(groups: list[tuple[Any, torch.device]], here: bool) -> bool:
-    """Whether ``here`` holds on any rank of ``groups``: one all-reduce per group (every rank of the
-    groups must call it). The error path of a step only (`FISMO.step`'s refused roots)."""
-    found = torch.tensor(int(here), dtype=torch.int32)
-    for group, device in groups:
-        found = found.to(device)
-        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
-    return bool(found)
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a ``DTensor`` (a collective over its mesh), or ``t`` itself."""
     return t.full_tensor() if is_dtensor(t) else t

@@ -86,12 +86,15 @@ def keep_elsewhere(state: dict, p: torch.Tensor, block_size: Optional[int]) -> d
     failed, gloo's "Received data size doesn't match"; DDP: a KeyError). The placeholders carry the keys,
     and their shapes let every rank check a changed ``block_size`` as the owner does.
     """
-    state.setdefault("step", new_step_count())
+    if "step" not in state:
+        state["step"] = new_step_count()
+    if "M" in state:  # made at an earlier step (every step of a non-owner comes here)
+        return state
     dtype = state_dtype(p.dtype)
     for key, shape in _fismo.state_layout(*_fismo.matrix_shape(p.shape), block_size).items():
-        state.setdefault(key, torch.empty(shape, dtype=dtype, device="meta"))
+        state[key] = torch.empty(shape, dtype=dtype, device="meta")
     for key in COUNTER_KEYS:
-        state.setdefault(key, torch.empty((), dtype=torch.int32, device="meta"))
+        state[key] = torch.empty((), dtype=torch.int32, device="meta")
     return state
 
 
@@ -377,7 +380,7 @@ def read_step_faults(checks: "GradientChecks", root_faults: list, owner_groups: 
     line 9's collectives for the one that did. Returns the checks with their agreed flags.
     """
     if not owner_groups:
-        pending, _ = _agree_across_shards(checks.pending) if checks.pending else (checks.pending, None)
+        pending, _ = _agree_across_shards(checks.pending)
         checks = checks._replace(pending=pending)
         return checks, bool(_guards.read_faults(*checks.faults(), *root_faults))
     local = [flag.reshape(-1).any() for flag in root_faults if flag is not None]
@@ -387,6 +390,13 @@ def read_step_faults(checks: "GradientChecks", root_faults: list, owner_groups: 
     pending, roots_ok = _agree_across_shards(checks.pending, (owner_groups, (~failed_here).to(torch.int32)))
     checks = checks._replace(pending=pending)
     return checks, bool(_guards.read_faults(*checks.faults(), roots_ok == 0))
+
+
+def refused_anywhere(owner_groups: list, refused_here: bool) -> bool:
+    """Whether a rank of ``owner_groups`` refused the step (after `read_step_faults` found a fault): the same
+    all-reduces, over the same groups, of whether every rank went on. The error path only."""
+    _, went_on = _agree_across_shards([], (owner_groups, torch.tensor(int(not refused_here), dtype=torch.int32)))
+    return not bool(went_on)
 
 
 class GradientChecks(NamedTuple):

@@ -493,7 +493,8 @@ def scale_by_fismo(
             return update_on_mesh(g, s, array_beta)  # under jax.jit the checks step aside, as on one device
         # Eagerly, a concrete array beta goes into the programs beside the mesh's arrays: replicated there.
         beta = array_beta if array_beta is None or _mesh(array_beta) is not None else _replicated(array_beta, g)
-        if not checked or not core.inv_root.is_refresh_step(int(s.step)):
+        every = core.inv_root.every
+        if not checked or not (every == 1 or core.inv_root.is_refresh_step(int(s.step))):  # no read when every = 1
             return update_on_mesh(g, s, beta)
         d, s_new, failed = checked_update_on_mesh(g, s, beta)
         if not read_faults(failed):

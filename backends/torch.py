@@ -79,6 +79,7 @@ from ._torch_state import (
     pack,
     raise_nonfinite,
     read_step_faults,
+    refused_anywhere,
     restore_saved_state,
     unpack,
 )
@@ -485,7 +486,7 @@ class FISMO(Optimizer):
             except Exception:  # the gradients' flags: the same on every rank
                 self._forget(created)
                 raise
-            if agree and _dist.any_across(agree, refused is not None) and refused is None:
+            if agree and refused_anywhere(agree, refused is not None) and refused is None:
                 refused = InverseRootError(
                     "FISMO: an inverse root failed beyond InverseRootConfig.max_failures on another rank, which "
                     "owns the matrix and names it in its own InverseRootError; no rank took the step", ()
