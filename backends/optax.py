@@ -572,13 +572,17 @@ def _as_jax(x: Any) -> Any:
 @contextlib.contextmanager
 def _named_root_warnings(name: str) -> Any:
     """Each `InverseRootWarning` raised inside, issued again prefixed with ``name`` (the core's counts a
-    leaf's matrices, not which leaf); other warnings issued again as they were."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    for w in caught:
-        message = f"{name}: {w.message}" if issubclass(w.category, InverseRootWarning) else w.message
-        warnings.warn_explicit(message, w.category, w.filename, w.lineno, source=w.source)
+    leaf's matrices, not which leaf); other warnings issued again as they were. Also when the body raises
+    (a root that fails beyond ``max_failures`` warns, then raises `InverseRootError`, in one call)."""
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        for w in caught:
+            message = f"{name}: {w.message}" if issubclass(w.category, InverseRootWarning) else w.message
+            warnings.warn_explicit(message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _beside_state(g: Any, s: FISMOState) -> Any:

@@ -860,3 +860,26 @@ def test_optax_inverse_root_warning_names_the_leaf() -> None:
         warnings.simplefilter("error", InverseRootWarning)  # a user's filter still turns it into an error
         with pytest.raises(InverseRootWarning, match=r"leaf \['encoder'\]\['kernel'\]"):
             tx.update(grads, tx.init(params), params)
+
+
+def test_optax_inverse_root_warning_is_issued_when_the_leaf_then_raises() -> None:
+    """With ``max_failures = 0`` one update warns of the failed root, then raises `InverseRootError`: the
+    warning, named, is issued too (it was dropped with the leaf's raise). Same ill-conditioned leaf as above."""
+    _optax()
+    import warnings
+
+    from fismo_core import InverseRootConfig
+    from fismo_core.guards import InverseRootError, InverseRootWarning
+    from fismo_core.backends.optax import fismo
+
+    rng = np.random.default_rng(0)
+    params = {"encoder": {"kernel": jnp.asarray(rng.standard_normal((4, 12)), jnp.float32)}}
+    grads = {"encoder": {"kernel": jnp.asarray(rng.standard_normal((4, 12)), jnp.float32)}}
+    tx = fismo(0.02, gamma=0.0, mu=1e-30, inv_root=InverseRootConfig(max_failures=0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InverseRootError, match=r"leaf \['encoder'\]\['kernel'\]"):
+            tx.update(grads, tx.init(params), params)
+    messages = [str(w.message) for w in caught if issubclass(w.category, InverseRootWarning)]
+    assert messages and all(m.startswith("leaf ['encoder']['kernel']: FISMO: the inverse square root of")
+                            for m in messages), messages
