@@ -350,7 +350,9 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
         def build(p: Any) -> FISMOState:
             # On a mesh the step count is an int32 array from the start, placed with the rest: a
             # Python int would be placed by the first jitted step, and the second would compile again.
-            return core.init(_as_matrix(p, matrix_shape), name=name)._replace(step=jnp.zeros((), jnp.int32))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", _guards.FactorSizeWarning)  # `warned_init_on_mesh` issues it
+                return core.init(_as_matrix(p, matrix_shape), name=name)._replace(step=jnp.zeros((), jnp.int32))
 
         M_spec = None if spec is None else _matrix_spec(spec, tuple(p.shape), matrix_shape)
         if _is_explicit(mesh):
@@ -394,9 +396,17 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
     # Compiled once per leaf shape and layout; inside the caller's jax.jit they are inlined. Eagerly the
     # core cannot run on a mesh op by op: its factors and M live on different shardings, which it
     # reads as different devices.
+    compiled_init_on_mesh = jax.jit(init_on_mesh, static_argnames=("name", "spec"), keep_unused=True)
+
+    def warned_init_on_mesh(p: Any, name: str, spec: Optional[PartitionSpec]) -> FISMOState:
+        """`init_on_mesh`, with its `FactorSizeWarning` issued at every call, as `FISMO.init` issues it on one
+        device (from inside the compiled program it came at its first trace only)."""
+        _guards.check_factor_size(*_matrix_dims(tuple(p.shape), matrix_shape), core.block_size, name)
+        return compiled_init_on_mesh(p, name=name, spec=spec)
+
     return _LeafPrograms(
         leaf_direction,
-        jax.jit(init_on_mesh, static_argnames=("name", "spec"), keep_unused=True),
+        warned_init_on_mesh,
         jax.jit(update_on_mesh),
         jax.jit(checked_update_on_mesh),
     )
