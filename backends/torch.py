@@ -450,7 +450,10 @@ class FISMO(Optimizer):
     def _step(self) -> None:
         """`step` without its closure, outside autocast."""
         if torch.compiler.is_compiling():
-            self._init_group()  # checks the groups' settings first, eagerly (its refusals pass through dynamo)
+            # _init_group checks the groups' settings first, eagerly (its refusals pass through dynamo).
+            if self._init_group():
+                self._distributed_step_eagerly()
+                return
             self._static_shapes()
         check_group_settings(self.param_groups)
         checks = check_grads(self.param_groups)
@@ -500,29 +503,52 @@ class FISMO(Optimizer):
             else:
                 self._fismo_apply(plans[id(group)])
 
+    def _distributed(self) -> bool:
+        """Whether a step runs collectives: a ``process_group`` (DDP) or a ``DTensor`` parameter (FSDP2, HSDP, TP)."""
+        return self.process_group is not None or any(
+            _dist.is_dtensor(p) for group in self.param_groups for p in group["params"]
+        )
+
+    @functools.partial(
+        torch.compiler.disable,
+        reason="FISMO: a distributed step (DDP, FSDP2, HSDP, TP) runs eagerly inside torch.compile: its "
+        "collectives are asynchronous, one per bucket, which dynamo does not trace (torch 2.13)",
+    )
+    def _distributed_step_eagerly(self) -> None:
+        """`_step` from a compiled `step` whose matrices live on several ranks: eagerly, eager's numbers.
+
+        Traced, the buckets' asynchronous collectives broke the graph at each bucket, every
+        `Placement` built in the trace recompiled its frame per parameter, and under FSDP2 dynamo
+        failed (``AssertionError: sources must not be empty for symbol``, a ``DTensor`` shard's
+        size made symbolic).
+        """
+        self._step()
+
     def _forget(self, created: list) -> None:
         """Remove the states a step created before it raised (nothing else was written)."""
         for p in created:
             self.state.pop(p, None)
 
-    def _init_group(self) -> None:
-        """Create the missing states of the local parameters that have a gradient, in every group.
+    def _init_group(self) -> bool:
+        """Create the missing states of the local parameters that have a gradient, in every group; whether
+        the step is `_distributed` instead (then it creates nothing: the step runs eagerly).
 
         Called only while ``torch.compile`` traces `step`: dynamo runs an optimizer's
         ``_init_group`` eagerly, at trace time, as for ``torch.optim``'s own optimizers. The
         traced step then starts from existing states (one graph for the first and the later
         steps, not two), and dynamo marks every state tensor a static address, so that CUDA
         graphs (``mode="reduce-overhead"``) may update them in place. One call for all groups:
-        dynamo's view of ``self.state`` is taken once, after every state exists. States of
-        distributed matrices (DDP, FSDP2) are still created in the step, on their owners.
+        dynamo's view of ``self.state`` is taken once, after every state exists.
 
         Before this call dynamo moves every existing state's ``"step"`` to its parameter's
         device (``OptimizerVariable.move_step_if_cpu``, for ``torch.optim``'s capturable
         path): after eager steps or a resumed checkpoint, a GPU's. The step counts of
         both algorithms stay on the CPU here (`_step_counts_on_the_cpu`).
         """
+        self._step_counts_on_the_cpu()
+        if self._distributed():  # dynamo hands the answer to the trace as a constant, with its guards
+            return True
         warn_of_numpy_scalars(self.param_groups)
-        placements = self._placements()
         try:
             check_group_settings(self.param_groups)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
@@ -532,7 +558,6 @@ class FISMO(Optimizer):
                     self._check_new_matrices(new[id(g)])
         except (TypeError, ValueError) as exc:
             raise through_dynamo(exc) from exc
-        self._step_counts_on_the_cpu()
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 for p in new[id(group)]:
@@ -540,8 +565,8 @@ class FISMO(Optimizer):
             else:
                 core = cores[id(group)]
                 for p in new[id(group)]:
-                    if not placements[p].distributed:
-                        self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
+                    self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
+        return False
 
     def _step_counts_on_the_cpu(self) -> None:
         """Every state's ``"step"`` back on the CPU, where it is created (no-op when it is there).

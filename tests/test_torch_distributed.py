@@ -138,19 +138,21 @@ def _run_ddp(rank: int, X, Y) -> dict:
     }
 
 
-def _run_fsdp2(rank: int, X, Y) -> dict:
+def _fsdp2_model() -> torch.nn.Module:
+    """`_model` under FSDP2 on every rank (each Linear and the whole), on a 1-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
+    model = _model()
+    for module in model:
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
-    def build():
-        model = _model()
-        for module in model:
-            if isinstance(module, torch.nn.Linear):
-                fully_shard(module, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
 
+def _run_fsdp2(rank: int, X, Y) -> dict:
+    build = _fsdp2_model
     model = build()
     opt = _optimizer(model, beta=torch.tensor(_beta(0), dtype=torch.float64))
     _train(model, opt, X, Y, range(RESUME_AT))
@@ -298,6 +300,42 @@ def _run_block_size_changed(rank: int, X, Y) -> dict:
     return {"error": error, "owns": _owns(opt, weights[0])}
 
 
+def _run_compiled(rank: int, X, Y, mode: str) -> dict:
+    """``torch.compile(opt.step)`` under DDP or FSDP2: its parameters after 3 steps and the eager run's, the
+    graphs dynamo compiled (its ``CompileCounter``), and what ``fullgraph=True`` raised."""
+    from torch._dynamo.testing import CompileCounter
+
+    def build():
+        if mode == "ddp":
+            model = _model()
+            return model, torch.nn.parallel.DistributedDataParallel(model), {"process_group": dist.group.WORLD}
+        model = _fsdp2_model()
+        return model, model, {}
+
+    out: dict = {}
+    for compiled in (False, True):
+        model, net, kwargs = build()
+        opt = _optimizer(model, **kwargs)
+        counter = CompileCounter()
+        step = torch.compile(opt.step, backend=counter) if compiled else opt.step
+        graphs = []
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(X), Y).backward()
+            step()
+            graphs.append(counter.frame_count)
+        out["compiled" if compiled else "eager"] = [_full(p) for p in model.parameters()]
+        out["graphs"] = graphs
+    before = [_full(p) for p in model.parameters()]
+    try:
+        torch.compile(opt.step, backend="eager", fullgraph=True)()
+        out["fullgraph"] = None
+    except Exception as exc:
+        out["fullgraph"] = f"{type(exc).__name__}: {exc}"
+    out["unchanged by fullgraph"] = all(torch.equal(a, _full(p)) for a, p in zip(before, model.parameters()))
+    return out
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -311,7 +349,8 @@ def _worker(rank: int, store: str, out: str) -> None:
                    "nan in one shard": _run_nan_in_one_shard(rank, X, Y),
                    "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y),
                    **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
-                   "block size changed": _run_block_size_changed(rank, X, Y)}
+                   "block size changed": _run_block_size_changed(rank, X, Y),
+                   **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")}}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -552,3 +591,16 @@ def test_a_changed_block_size_is_refused_on_every_rank(runs):
     assert sorted(r["owns"] for r in results) == [False, True]
     for r in results:
         assert r["error"] and "block_size=8 splits parameter 0 of param group 0 (shape (16, 12))" in r["error"], r
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_compiled_distributed_step_runs_eagerly_with_the_eager_numbers(runs, mode):
+    """``torch.compile(opt.step)`` under DDP and FSDP2 runs the step eagerly (a ``torch.compiler.disable``d
+    call): the eager run's parameters bit for bit, no graph compiled at any step, and ``fullgraph=True``
+    refused at trace time, saying why, with nothing changed. Traced, FSDP2 failed in dynamo (``sources must
+    not be empty for symbol``, found by a user's hunt, 2026-12-02) and DDP recompiled a frame per parameter."""
+    for rank, run in enumerate(r[f"{mode}, compiled"] for r in runs):
+        assert all(torch.equal(a, b) for a, b in zip(run["compiled"], run["eager"])), rank
+        assert run["graphs"] == [0, 0, 0], (rank, run["graphs"])
+        assert "FISMO: a distributed step (DDP, FSDP2, HSDP, TP) runs eagerly" in run["fullgraph"], run["fullgraph"]
+        assert run["unchanged by fullgraph"], rank
