@@ -31,7 +31,15 @@ from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core.optimizer import FISMOState
 from fismo_core.optimizer import state_dtype as _core_state_dtype
 
-from ._torch_distributed import Placement, full_tensor, is_dtensor, local_device, local_tensor, shard_group
+from ._torch_distributed import (
+    Placement,
+    ReplicatedPlacement,
+    full_tensor,
+    is_dtensor,
+    local_device,
+    local_tensor,
+    shard_group,
+)
 from ._torch_groups import CORE_DEFAULTS, STEP_COUNT_DEVICE, param_name, scalar_dtype
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
@@ -362,34 +370,67 @@ def _agree_across_shards(checks: list, extra: Optional[list] = None) -> tuple[li
             by_group.setdefault(shard_group(p), (local_device(p), []))[1].append(k)
     checks = list(checks)
     for group, (device, ks) in by_group.items():
-        flags = torch.stack([checks[k][3].to(device) for k in ks] + ([] if ok is None else [ok.to(device)]))
+        # ``extra``'s flag: a 0-d int32, or a vector of them (`read_step_faults`' gradient digest).
+        flags = torch.cat([checks[k][3].to(device).reshape(1) for k in ks]
+                          + ([] if ok is None else [ok.to(device).reshape(-1)]))
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
         for k, flag in zip(ks, flags):
             checks[k] = (*checks[k][:3], flag)
-        ok = None if ok is None else flags[-1]
+        ok = None if ok is None else flags[len(ks):].reshape(ok.shape)
     return checks, ok
 
 
-def read_step_faults(checks: "GradientChecks", root_faults: list, owner_groups: list) -> tuple["GradientChecks", bool]:
+def read_step_faults(
+    checks: "GradientChecks", root_faults: list, owner_groups: list, digest: int = 0
+) -> tuple["GradientChecks", bool, Optional[torch.Tensor]]:
     """The step's one host read: whether a ``"raise"`` gradient or parameter is not finite, or a root failed.
 
     The pending finiteness flags of sharded parameters are reduced over their shard groups here, and a
     root's failure (checked on its owner alone) over ``owner_groups`` (``(group, device)`` pairs, empty
     where roots are not checked or no rank owns matrices of others), in one all-reduce per group:
     every rank then takes the same decision, else the ranks that did not raise would wait forever in
-    line 9's collectives for the one that did. Returns the checks with their agreed flags.
+    line 9's collectives for the one that did. ``digest`` (`gradient_digest`) rides in the same
+    all-reduces, as itself and negated: the ranks' digests differ where the minima of the two do not
+    cancel. Returns the checks with their agreed flags, whether a fault was found (the ranks' digests
+    differing is one), and that difference as a flag (``None`` where nothing was reduced).
     """
     if not owner_groups:
         pending, _ = _agree_across_shards(checks.pending)
         checks = checks._replace(pending=pending)
-        return checks, bool(_guards.read_faults(*checks.faults(), *root_faults))
+        return checks, bool(_guards.read_faults(*checks.faults(), *root_faults)), None
     local = [flag.reshape(-1).any() for flag in root_faults if flag is not None]
     device = owner_groups[0][1]
     failed_here = torch.stack([f.to(device) for f in local]).any() if local else torch.zeros((), dtype=torch.bool,
                                                                                              device=device)
-    pending, roots_ok = _agree_across_shards(checks.pending, (owner_groups, (~failed_here).to(torch.int32)))
+    riding = torch.cat([(~failed_here).to(torch.int32).reshape(1),
+                        torch.tensor([digest, -digest], dtype=torch.int32, device=device)])
+    pending, reduced = _agree_across_shards(checks.pending, (owner_groups, riding))
     checks = checks._replace(pending=pending)
-    return checks, bool(_guards.read_faults(*checks.faults(), roots_ok == 0))
+    digests_differ = reduced[1] + reduced[2] != 0  # min(d) != max(d) over the ranks
+    return checks, bool(_guards.read_faults(*checks.faults(), reduced[0] == 0, digests_differ)), digests_differ
+
+
+#: `gradient_digest` sums per-matrix weights modulo this prime (2^31 - 1), so that it and its negation are int32.
+_DIGEST_MODULUS = 2**31 - 1
+
+
+def gradient_digest(param_groups: list, placements: dict) -> int:
+    """A number that differs between DDP ranks whose replicated FISMO matrices with a gradient differ.
+
+    Each such matrix adds a fixed weight of its index in the groups (a multiple of the golden-ratio
+    constant, modulo a prime, never 0): one matrix more or fewer always changes the sum; several
+    differences cancel with a chance of about 1 in 2^31. Computed on the host from ``p.grad is None``.
+    """
+    digest = 0
+    index = 0
+    for group in param_groups:
+        if group["algorithm"] != "fismo":
+            continue
+        for p in group["params"]:
+            index += 1
+            if p.grad is not None and isinstance(placements.get(p), ReplicatedPlacement):
+                digest = (digest + index * 0x9E3779B1) % _DIGEST_MODULUS
+    return digest
 
 
 def refused_anywhere(owner_groups: list, refused_here: bool) -> bool:

@@ -74,6 +74,7 @@ from ._torch_state import (
     complete_loaded_state,
     exported_state,
     full_saved_state,
+    gradient_digest,
     init_matrix_state,
     keep_elsewhere,
     pack,
@@ -479,8 +480,16 @@ class FISMO(Optimizer):
         # owner groups, in the all-reduces of the gradients' flags (only where roots are checked).
         agree = [] if not any(_guards.checks_roots(plan.core.inv_root, plan.core.nonfinite)
                               for plan in plans.values()) else _dist.owner_groups(placements)
-        checks, found = read_step_faults(checks, [f for call in calls for f in call.result.faults], agree)
+        # Under DDP a digest of which matrices have a gradient rides along: the owners' broadcasts pair up
+        # only where every rank steps the same matrices.
+        digest = gradient_digest(self.param_groups, placements) if agree else 0
+        checks, found, digests_differ = read_step_faults(
+            checks, [f for call in calls for f in call.result.faults], agree, digest
+        )
         if found:
+            if digests_differ is not None and bool(digests_differ):  # the same decision on every rank
+                self._forget(created)
+                raise RuntimeError(self._mismatched_gradients_message(placements))
             refused = None
             try:
                 self._settle(checks, plans)
@@ -523,6 +532,24 @@ class FISMO(Optimizer):
         size made symbolic).
         """
         self._step()
+
+    def _mismatched_gradients_message(self, placements: dict) -> str:
+        """What every DDP rank raises when the ranks hold gradients for different FISMO matrices."""
+        missing = [
+            self._label(p)
+            for group in self.param_groups
+            if group["algorithm"] == "fismo"
+            for p in group["params"]
+            if p.grad is None and isinstance(placements.get(p), _dist.ReplicatedPlacement)
+        ]
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        return (
+            "FISMO: the ranks of the process_group hold gradients for different FISMO matrices, so their "
+            "broadcasts of the stepped matrices would not pair up; no rank took the step. DDP gives every "
+            "rank the same gradients (with find_unused_parameters=True too): a gradient set or cleared by "
+            "hand on some ranks only does this. "
+            + (f"Without a gradient on this rank: {shown}" if missing else "This rank has a gradient for every matrix")
+        )
 
     def _forget(self, created: list) -> None:
         """Remove the states a step created before it raised (nothing else was written)."""

@@ -300,6 +300,36 @@ def _run_block_size_changed(rank: int, X, Y) -> dict:
     return {"error": error, "owns": _owns(opt, weights[0])}
 
 
+def _run_mismatched_grads(rank: int, X, Y) -> dict:
+    """DDP-style FISMO on two 4 x 4 matrices (one per owner): a normal step, then one where only rank 0 has
+    the second matrix's gradient (set by hand). What each rank's second step raised, and whether its
+    parameters and states are those after the first step."""
+    from fismo_core.backends.torch import FISMO
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64)) for _ in range(2)]
+    opt = FISMO(weights, lr=LR, process_group=dist.group.WORLD)
+    grads = [torch.randn(4, 4, dtype=torch.float64) for _ in range(2)]
+    for w, g in zip(weights, grads):
+        w.grad = g.clone()
+    opt.step()
+    before = ([w.detach().clone() for w in weights],
+              [{k: v.clone() for k, v in opt.state[w].items()} for w in weights])
+    weights[0].grad = grads[0].clone()
+    weights[1].grad = grads[1].clone() if rank == 0 else None
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    unchanged = all(torch.equal(a, w) for a, w in zip(before[0], weights)) and all(
+        saved.keys() == opt.state[w].keys()
+        and all(torch.equal(v, opt.state[w][k]) if not v.is_meta else opt.state[w][k].is_meta for k, v in saved.items())
+        for saved, w in zip(before[1], weights)
+    )
+    return {"error": error, "unchanged": unchanged}
+
+
 def _run_compiled(rank: int, X, Y, mode: str) -> dict:
     """``torch.compile(opt.step)`` under DDP or FSDP2: its parameters after 3 steps and the eager run's, the
     graphs dynamo compiled (its ``CompileCounter``), and what ``fullgraph=True`` raised."""
@@ -350,7 +380,8 @@ def _worker(rank: int, store: str, out: str) -> None:
                    "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y),
                    **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "block size changed": _run_block_size_changed(rank, X, Y),
-                   **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")}}
+                   **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
+                   "ddp, mismatched gradients": _run_mismatched_grads(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -604,3 +635,17 @@ def test_a_compiled_distributed_step_runs_eagerly_with_the_eager_numbers(runs, m
         assert run["graphs"] == [0, 0, 0], (rank, run["graphs"])
         assert "FISMO: a distributed step (DDP, FSDP2, HSDP, TP) runs eagerly" in run["fullgraph"], run["fullgraph"]
         assert run["unchanged by fullgraph"], rank
+
+
+def test_ddp_gradients_on_some_ranks_only_are_refused_on_every_rank(runs):
+    """Under DDP (``process_group``) a matrix with a gradient on rank 0 only (set by hand): every rank raises
+    the same error before anything changes, naming on rank 1 the matrix it has no gradient for. The
+    detection rides in the step's all-reduce of the roots' flags (default configuration). Before
+    2026-12-02 rank 1 stepped its other matrix and returned, and rank 0 waited in the broadcast until gloo
+    said "Connection closed by peer" (``docs/scripts/ddp_mismatched_grads.py``)."""
+    errors = [r["ddp, mismatched gradients"]["error"] for r in runs]
+    assert all(e is not None and e.startswith("FISMO: the ranks of the process_group hold gradients for "
+                                               "different FISMO matrices") for e in errors), errors
+    assert "This rank has a gradient for every matrix" in errors[0], errors[0]
+    assert "Without a gradient on this rank: parameter 1 of param group 0 (shape (4, 4))" in errors[1], errors[1]
+    assert all(r["ddp, mismatched gradients"]["unchanged"] for r in runs)

@@ -1,18 +1,22 @@
 """What a DDP-style ``FISMO(..., process_group=...)`` step does when the ranks hold gradients for different
 matrices (docs/torch.md, "DDP").
 
-    python docs/scripts/ddp_mismatched_grads.py      # about 10 seconds
+    python docs/scripts/ddp_mismatched_grads.py                # about 10 seconds
+    python docs/scripts/ddp_mismatched_grads.py --propagate    # nonfinite="propagate": not detected
 
 Two gloo ranks on the CPU, two 4 x 4 float64 matrices, one bucket. Both ranks set the first matrix's
 gradient; only rank 0 sets the second's, as code that writes gradients by hand on some ranks could (DDP
 itself never does: ``tests/test_torch_distributed.py`` checks that with ``find_unused_parameters=True``).
-The ranks' broadcasts then do not match. Each rank prints whether its step returned or raised, after how
-many seconds and with what, and, where it returned, whether its first matrix equals a lone step of that
-matrix and whether its second matrix changed.
+In the default configuration every rank refuses the step (the digest of which matrices have a gradient
+rides in the step's all-reduce); under ``nonfinite="propagate"`` (``--propagate``) nothing is checked and the
+ranks' broadcasts do not match. Each rank prints whether its step returned or raised, after how many
+seconds and with what, and, where it returned, whether its first matrix equals a lone step of that matrix
+and whether its second matrix changed.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -23,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, store: str) -> None:
+def _worker(rank: int, store: str, nonfinite: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
@@ -33,7 +37,7 @@ def _worker(rank: int, store: str) -> None:
     start = [torch.randn(4, 4, dtype=torch.float64) for _ in range(2)]
     first_grad = torch.randn(4, 4, dtype=torch.float64)
     weights = [torch.nn.Parameter(w.clone()) for w in start]
-    opt = FISMO(weights, lr=0.05, process_group=dist.group.WORLD)
+    opt = FISMO(weights, lr=0.05, process_group=dist.group.WORLD, nonfinite=nonfinite)
     weights[0].grad = first_grad.clone()
     if rank == 0:
         weights[1].grad = torch.randn(4, 4, dtype=torch.float64)
@@ -46,7 +50,7 @@ def _worker(rank: int, store: str) -> None:
     else:
         lone = torch.nn.Parameter(start[0].clone())
         lone.grad = first_grad.clone()
-        FISMO([lone], lr=0.05).step()
+        FISMO([lone], lr=0.05, nonfinite=nonfinite).step()
         print(f"rank {rank}: returned after {time.perf_counter() - began:.1f} s; first matrix equals a lone "
               f"step: {torch.equal(lone, weights[0])}; second matrix changed: "
               f"{not torch.equal(weights[1], start[1])}", flush=True)
@@ -55,8 +59,9 @@ def _worker(rank: int, store: str) -> None:
 
 
 def main() -> None:
+    nonfinite = "propagate" if "--propagate" in sys.argv[1:] else "raise"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(str(Path(tmp) / "store"),), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(str(Path(tmp) / "store"), nonfinite), nprocs=2, start_method="spawn")
 
 
 if __name__ == "__main__":
