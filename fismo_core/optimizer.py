@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
@@ -82,6 +82,8 @@ class PolarConfig:
         if self.method not in ("newton_schulz", "svd"):
             raise ValueError(f"unknown polar method {self.method!r}: use 'newton_schulz' or 'svd'")
         object.__setattr__(self, "steps", linalg._check_integer("polar steps", self.steps))  # a Python int
+        if isinstance(self.coefficients, Iterator):  # read twice: validated, then stored
+            object.__setattr__(self, "coefficients", tuple(self.coefficients))
         linalg.newton_schulz_schedule(self.coefficients, self.steps)  # validates the coefficients
         if not (isinstance(self.coefficients, str)):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
@@ -209,6 +211,8 @@ class InverseRootConfig:
             raise ValueError(f"unknown inverse-root method {self.method!r}: use 'eigh' or 'newton_schulz'")
         if self.steps is not None:  # None: the schedule's default
             object.__setattr__(self, "steps", linalg._check_integer("inverse-root steps", self.steps))
+        if isinstance(self.coefficients, Iterator):  # read twice: validated, then stored
+            object.__setattr__(self, "coefficients", tuple(self.coefficients))
         try:
             linalg.inverse_sqrt_steps(self.coefficients, self.steps)  # validates both
         except ValueError as exc:

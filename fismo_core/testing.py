@@ -441,13 +441,27 @@ def relative_errors(got: Any, reference: Any) -> Any:
         amax = np.maximum(np.max(np.abs(got), axis=axes, keepdims=True, initial=0.0),
                           np.max(np.abs(reference), axis=axes, keepdims=True, initial=0.0))
         exponent = np.frexp(np.where(np.isfinite(amax) & (amax > 0), amax, 1.0))[1]
-        factor = np.ldexp(1.0, -exponent)  # ldexp takes no complex arrays; a power of two multiplies exactly
-        got, reference = got * factor, reference * factor
+        # Scaled by ldexp, exactly, and not by multiplying with 2**-exponent: that factor overflows for a
+        # matrix whose largest entry is below 2**-1024 (float64's subnormal numbers).
+        got, reference = _ldexp(got, -exponent), _ldexp(reference, -exponent)
         diff = np.sqrt(np.sum(np.square(np.abs(got - reference)), axis=axes))
         scale = np.sqrt(np.sum(np.square(np.abs(reference)), axis=axes))
-        # A zero reference: the absolute error, in the arrays' own units (diff / factor).
-        err = diff / np.where(scale > 0, scale, np.reshape(factor, np.shape(diff)))
+        # A zero reference: the absolute error, in the arrays' own units.
+        absolute = np.ldexp(diff, np.reshape(exponent, np.shape(diff)))
+        err = np.where(scale > 0, diff / np.where(scale > 0, scale, 1.0), absolute)
     return np.where(np.isfinite(err), err, np.inf)
+
+
+def _ldexp(x: Any, exponent: Any) -> Any:
+    """``x * 2**exponent`` computed exactly by NumPy's ``ldexp``, for complex ``x`` too (part by part)."""
+    import numpy as np
+
+    if not np.iscomplexobj(x):
+        return np.ldexp(x, exponent)
+    real, imag = np.ldexp(np.real(x), exponent), np.ldexp(np.imag(x), exponent)
+    out = np.empty(np.broadcast_shapes(real.shape, imag.shape), dtype=x.dtype)
+    out.real, out.imag = real, imag
+    return out
 
 
 def _without_agreeing_nonfinite(got: Any, reference: Any) -> tuple[Any, Any]:

@@ -197,6 +197,20 @@ def test_max_relative_error_holds_at_any_scale(scale: float) -> None:
     assert max_relative_error(np.array([[3.0, 4.0]]) * scale, np.zeros((1, 2))) == pytest.approx(5.0 * scale)
 
 
+def test_max_relative_error_holds_for_subnormal_numbers() -> None:
+    """Entries below 2**-1022 (float64's subnormals): the scaling factor 2**-exponent overflowed to inf, and
+    identical arrays had error inf (``check_backends`` failed an exact output; found by a user's hunt,
+    2026-12-02). Subnormals carry fewer digits, so the zero-reference case is checked to 1e-2 only."""
+    tiny = np.array([[1e-310, -2e-310]])
+    assert max_relative_error(tiny, tiny.copy()) == 0.0
+    assert max_relative_error(2 * tiny, tiny) == 1.0
+    assert max_relative_error(np.array([[5e-324]]), np.array([[1e-323]])) == 0.5
+    assert max_relative_error(np.array([[3e-320, 4e-320]]), np.zeros((1, 2))) == pytest.approx(5e-320, rel=1e-2)
+    z = tiny * (1 + 1j)
+    assert max_relative_error(z, z.copy()) == 0.0
+    assert max_relative_error(np.conj(z), z) == pytest.approx(math.sqrt(2.0), rel=1e-12)  # |2 Im z| / |z|
+
+
 def test_complex_outputs_are_compared_with_their_imaginary_part() -> None:
     """``to_numpy`` cast complex to float64, dropping the imaginary part: a conjugated output passed
     (error 0) on torch and NumPy. Complex arrays are now compared by modulus."""

@@ -325,6 +325,19 @@ def test_coefficients_given_as_an_iterator() -> None:
     assert np.array_equal(inverse_sqrt(A, method="newton_schulz", coefficients=iter(schedule)), expected)
 
 
+def test_configs_keep_coefficients_given_as_an_iterator() -> None:
+    """``PolarConfig`` and ``InverseRootConfig`` validated an iterator (consuming it), then stored what was
+    left: an empty schedule, refused at the first step with an error about ``()`` (found by a user's hunt,
+    2026-12-02). They store the schedule, as a list gives it."""
+    from fismo_core import InverseRootConfig, PolarConfig
+
+    polar_schedule, root_schedule = [(3.4445, -4.7750, 2.0315)], [(1.5, -0.5, 0.0)]
+    assert PolarConfig(coefficients=iter(polar_schedule)) == PolarConfig(coefficients=polar_schedule)
+    given = InverseRootConfig(method="newton_schulz", steps=20, coefficients=(t for t in root_schedule))
+    assert given == InverseRootConfig(method="newton_schulz", steps=20, coefficients=root_schedule)
+    assert given.coefficients == ((1.5, -0.5, 0.0),)
+
+
 def test_whiten_refuses_mixed_dtypes() -> None:
     """NumPy and JAX promoted a float32 X to float64 where torch raised its own error: one rule for all."""
     X, F = np.ones((3, 3), dtype=np.float32), np.eye(3)
