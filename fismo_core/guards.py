@@ -109,13 +109,14 @@ def nan_is_the_answer(xp: Any) -> Any:
     """A context in which NumPy (and array-api-strict, which wraps it) does not warn of the NaN it makes.
 
     Where a NaN is a result the caller reads as a flag (`all_finite`'s ``inf * 0``, the NaN root of a
-    singular factor that its check fails), NumPy's ``RuntimeWarning: invalid value encountered`` would
-    only precede the library's own message. Other namespaces do not warn; for them it does nothing.
+    singular factor that its check fails, with the ``1 / sqrt(0)`` and the residual's products on the
+    way), NumPy's ``RuntimeWarning`` (invalid value, divide by zero, overflow) would only precede the
+    library's own message. Other namespaces do not warn; for them it does nothing.
     """
     if is_numpy_namespace(xp) or is_array_api_strict_namespace(xp):
         import numpy
 
-        return numpy.errstate(invalid="ignore")
+        return numpy.errstate(invalid="ignore", divide="ignore", over="ignore")
     return contextlib.nullcontext()
 
 
@@ -480,7 +481,8 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, unit_roundoff:
             raise
         Z, w = _roots_one_by_one(xp, root, A)
     eye = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
-    residual = xp.linalg.matrix_norm(Z @ A @ Z - eye)
+    with nan_is_the_answer(xp):  # a NaN or infinite root: a NaN or infinite residual, which fails
+        residual = xp.linalg.matrix_norm(Z @ A @ Z - eye)
     if w is None:  # Newton–Schulz: no eigenvalues; a singular A leaves it unconverged, a large residual
         return Z, residual
     resolved = w[..., 0] > unit_roundoff * w[..., -1]
