@@ -581,7 +581,7 @@ def guarded_inverse_sqrt(
         return A, structure.from_parts(tuple(roots)), None
     if all_ok:
         return A, structure.from_parts(tuple(roots)), False
-    retried = parts[0].dtype == xp.float64 and config.method == "eigh"  # the first attempt was the retry's
+    retried = parts[0].dtype == xp.float64 and config._is_library_eigh()  # the first attempt was the retry's
     if not retried:
         parts64 = [_as_float64(xp, part) for part in parts]
         retried = all(p is not None for p in parts64)

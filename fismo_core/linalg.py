@@ -194,7 +194,10 @@ def _capped(xp: Any, exponent: Array) -> Array:
     With the cap the reciprocal of ``2^k`` is a normal number; ``k`` changes only for a ``max|X|`` in
     the dtype's top binade (float64 from ``2^1023``).
     """
-    top = -math.log2(float(xp.finfo(exponent.dtype).smallest_normal))
+    info = xp.finfo(exponent.dtype)
+    # NumPy's (and JAX's) finfo states the exponent; NumPy's long double's smallest normal, 2^-16382,
+    # underflows to 0 as a Python float (log2 raised a math domain error).
+    top = -info.minexp if hasattr(info, "minexp") else -math.log2(float(info.smallest_normal))
     return xp.minimum(exponent, xp.full_like(exponent, top))
 
 

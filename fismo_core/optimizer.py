@@ -248,6 +248,13 @@ class InverseRootConfig:
             return self(A), None
         return linalg._eigh_inverse_sqrt(A)
 
+    def _is_library_eigh(self) -> bool:
+        """Whether the root is this library's ``eigh`` (not a subclass's own ``__call__`` or
+        ``root_and_eigenvalues``): then a float64 root was already what the fault handling's retry computes."""
+        cls = type(self)
+        return (self.method == "eigh" and cls.__call__ is InverseRootConfig.__call__
+                and cls.root_and_eigenvalues is InverseRootConfig.root_and_eigenvalues)
+
     def is_refresh_step(self, step: Any) -> Any:
         """Whether the step taken from a state with ``state.step == step`` recomputes the roots (``every``).
 
@@ -1069,6 +1076,7 @@ class FISMO:
             due, batch = refresh_roots.due, tuple(state.M.shape[:-2])
             if not is_array_api_obj(due) or due.dtype != array_namespace(due).bool:
                 raise TypeError(f"a RootSchedule's due must be a boolean array, got {due!r}")
+            linalg._check_same_namespace_and_device(due, state.M)  # the library and device of the state
             if tuple(due.shape) != batch:
                 raise ValueError(
                     f"a RootSchedule needs one flag per matrix of the stack, shape {batch}, got due of shape "

@@ -365,6 +365,11 @@ def test_a_root_schedule_is_refused_where_roots_are_checked_or_its_flags_do_not_
     for due in (np.array([1, 0]), [True, False]):  # a mask of integers, a list: not a boolean array
         with pytest.raises(TypeError, match="a RootSchedule's due must be a boolean array"):
             opt.direction(W, opt.init(W), refresh_roots=RootSchedule(due))
+    # A due of another library than the state: the rule of every array argument (it failed deep inside, at
+    # the first product of NumPy and torch arrays; found by a user's hunt, 2026-12-02).
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="all arrays of one call must come from one array library"):
+        opt.direction(W, opt.init(W), refresh_roots=RootSchedule(torch.tensor([True, False])))
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "3"])

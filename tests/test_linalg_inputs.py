@@ -34,7 +34,7 @@ from fismo_core.linalg import (
     polar,
     whiten,
 )
-from fismo_core.testing import Target, to_numpy
+from fismo_core.testing import Target, max_relative_error, to_numpy
 
 #: A refusal comes with the library's message alone: NumPy's RuntimeWarnings of a NaN, an infinity or an overflow
 #: (inverse_sqrt took the root of a singular A before refusing it, "invalid value encountered in sqrt") are errors.
@@ -323,6 +323,18 @@ def test_coefficients_given_as_an_iterator() -> None:
     A = np.diag([2.0, 0.5, 1.0])
     expected = inverse_sqrt(A, method="newton_schulz", coefficients=schedule)
     assert np.array_equal(inverse_sqrt(A, method="newton_schulz", coefficients=iter(schedule)), expected)
+
+
+def test_newton_schulz_polar_takes_numpy_long_double() -> None:
+    """NumPy's long double is a real floating dtype: the matmul-only polar takes it (the cap of the scaling
+    exponent read ``float(finfo.smallest_normal)``, 0.0 for 2^-16382, and raised "math domain error";
+    found by a user's hunt, 2026-12-02). The decompositions are NumPy's, which refuse long double
+    ("array type float128 is unsupported in linalg"). Against float64's polar: the iteration's own
+    error, 1e-12 (float64 rounding of a 5-step iteration is ~1e-15, its distance to the SVD's is larger)."""
+    X = np.array([[3.0, 0.0], [4.0, 5.0]])
+    got = polar(X.astype(np.longdouble))
+    assert got.dtype == np.longdouble
+    assert max_relative_error(got.astype(np.float64), polar(X)) <= 1e-12
 
 
 def test_configs_keep_coefficients_given_as_an_iterator() -> None:
