@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import math
 import numbers
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -205,15 +206,65 @@ def check_group_settings(param_groups: list) -> None:
     the FISMO groups before it have stepped."""
     for index, group in enumerate(param_groups):
         where = f"param group {index}"
-        added_as = "adamw" if "betas" in group else "fismo"
+        # A FISMO group holds FISMO's keys from the start (route_group; "beta", "gamma" and "mu" since the
+        # first checkpoints, which lack the later ones), an AdamW group none of them.
+        added_as = "fismo" if all(k in group for k in ("beta", "gamma", "mu")) else "adamw"
         if group["algorithm"] != added_as:
             raise ValueError(
                 f"{where}: algorithm {group['algorithm']!r} set in a group added as {added_as!r}; "
                 "a group keeps its algorithm (add another group with add_param_group)"
             )
-        if added_as == "adamw" and not _adamw_stored_as_checked(group):
-            validate_adamw_hparams(group, where)  # raises, or stores NumPy scalars as floats
+        if added_as == "adamw":
+            wrong = [k for k in FISMO_ONLY_KEYS if k in group]
+            if wrong:
+                raise ValueError(f"{where} is an 'adamw' group and FISMO's {wrong} was set in it since it was "
+                                 "added; AdamW groups have no such setting (set it in the FISMO groups only)")
+            if not _adamw_stored_as_checked(group):
+                validate_adamw_hparams(group, where)  # raises, or stores NumPy scalars as floats
+            # As route_group refuses them: kept and not honoured. Not "capturable": dynamo's view of every
+            # group of a traced torch.optim optimizer has capturable=True (OptimizerVariable._set_capturable).
+            unsupported = {k: group[k] for k in ("fused", "differentiable") if group.get(k)}
+            if unsupported:
+                raise ValueError(f"{where} is an 'adamw' group and {unsupported} was set since; AdamW groups "
+                                 "step as torch.optim.AdamW with fused=False, capturable=False, differentiable=False")
+        else:
+            wrong = [k for k in ADAMW_ONLY_KEYS if k in group]
+            if wrong:  # a schedule of AdamW's betas written into every group, say
+                raise ValueError(f"{where} is a FISMO group and AdamW's {wrong} was set in it since it was added; "
+                                 "FISMO groups have no such setting (set it in the 'adamw' groups only)")
+            foreign = {k: group[k] for k in (*MUON_POLAR_KEYWORDS, *MUON_KEYWORDS)
+                       if k in group and k not in FISMO_ONLY_KEYS}
+            if foreign:  # Muon's warm-up of group["momentum"], say: a key FISMO would keep and ignore
+                raise ValueError(str(foreign_keyword_error(f"{where} has keys, set since it was added,", foreign)))
         _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), where)
+
+
+def check_adamw_states(param_groups: list, state: Any) -> None:
+    """Every existing state of an AdamW group's parameter with a gradient fits the parameter and the group:
+    moments of its shape, and ``max_exp_avg_sq`` where ``amsgrad`` is on. Before anything changes:
+    ``torch.optim.AdamW``'s step raises (a size mismatch, ``KeyError``) after the FISMO groups before it
+    have stepped. A state of another shape comes from a resized parameter (a grown vocabulary)."""
+    for index, group in enumerate(param_groups):
+        if group["algorithm"] != "adamw":
+            continue
+        for i, p in enumerate(group["params"]):
+            s = state.get(p) if p.grad is not None else None
+            if not s:
+                continue
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                value = s.get(key)
+                if isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    raise ValueError(
+                        f"{param_name(group, i, index)}: its AdamW state {key!r} has shape {tuple(value.shape)}, "
+                        "not the parameter's (resized since the state was made or loaded); nothing "
+                        "was stepped. Start this parameter's state anew (del opt.state[p]) or load a state of its shape"
+                    )
+            if group["amsgrad"] and "max_exp_avg_sq" not in s:
+                raise ValueError(
+                    f"{param_name(group, i, index)}: amsgrad was turned on in param group {index} after this "
+                    "parameter's AdamW state was made without 'max_exp_avg_sq' (torch.optim.AdamW raises KeyError); "
+                    "nothing was stepped. Set amsgrad when the group is added, or start the state anew"
+                )
 
 
 def validate_fismo_hparams(hp: dict, where: str) -> None:
@@ -457,6 +508,23 @@ def own_nested_options(group: dict) -> dict:
     for key in NESTED_OPTIONS:
         if isinstance(group.get(key), dict):
             group[key] = copy.deepcopy(group[key])
+    return group
+
+
+def plain_numbers(group: dict) -> dict:
+    """A saved group's NumPy scalars (also inside a tuple: ``betas``) as Python numbers, and the group.
+
+    The step stores them so (`check_group_settings`, `core_key`); one written after the last step (a
+    schedule computed with NumPy) would reach a ``state_dict`` that ``torch.load(weights_only=True)``
+    refuses. Only for ``state_dict``'s copies of the groups: the live group is the step's to check."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:  # no NumPy scalar can exist
+        return group
+    for key, value in group.items():
+        if isinstance(value, numpy.generic):
+            group[key] = value.item()
+        elif isinstance(value, tuple) and any(isinstance(v, numpy.generic) for v in value):
+            group[key] = tuple(v.item() if isinstance(v, numpy.generic) else v for v in value)
     return group
 
 

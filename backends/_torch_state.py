@@ -234,6 +234,14 @@ def _check_adamw_layout(saved: dict, p: torch.Tensor, name: str) -> None:
     """An AdamW state saved in another layout (a plain tensor for a ``DTensor`` parameter, or the reverse)
     loads, and ``torch.optim.AdamW``'s step then fails on it after the FISMO groups have stepped."""
     for key, value in saved.items():
+        if key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and isinstance(value, torch.Tensor) \
+                and value.shape != p.shape:
+            raise ValueError(
+                f"the checkpoint's AdamW state {key!r} for {name} has shape {tuple(value.shape)}, not the "
+                "parameter's: a checkpoint of another model (a resized embedding, say); nothing "
+                "was loaded. Load the others and start this parameter's state anew (drop its entry from the "
+                "checkpoint's 'state')"
+            )
         if isinstance(value, torch.Tensor) and value.ndim and is_dtensor(value) != is_dtensor(p):
             kind = {True: "a DTensor", False: "a plain tensor"}
             raise ValueError(

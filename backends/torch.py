@@ -52,12 +52,14 @@ from ._torch_groups import (
     STEP_COUNT_DEVICE,
     adamw_group_step,
     adjusted_lr,
+    check_adamw_states,
     check_group_settings,
     core_key,
     drop_fismo_keys,
     init_adamw_state,
     make_core,
     own_nested_options,
+    plain_numbers,
     param_groups,
     param_name,
     route_group,
@@ -414,7 +416,7 @@ class FISMO(Optimizer):
             saved = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
-        saved["param_groups"] = [own_nested_options(group) for group in saved["param_groups"]]  # not the live dicts
+        saved["param_groups"] = [plain_numbers(own_nested_options(group)) for group in saved["param_groups"]]  # copies
         placements = self._placements()
         index = 0
         for group in self.param_groups:
@@ -457,6 +459,7 @@ class FISMO(Optimizer):
                 return
             self._static_shapes()
         check_group_settings(self.param_groups)
+        check_adamw_states(self.param_groups, self.state)
         checks = check_grads(self.param_groups)
         placements = self._placements()
         created: list[torch.Tensor] = []  # the parameters whose state this step creates
@@ -578,6 +581,7 @@ class FISMO(Optimizer):
         warn_of_numpy_scalars(self.param_groups)
         try:
             check_group_settings(self.param_groups)
+            check_adamw_states(self.param_groups, self.state)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
             new = {id(g): self._stateless(g) for g in self.param_groups}
             for g in self.param_groups:
@@ -782,6 +786,10 @@ class FISMO(Optimizer):
 
         # 3. Apply: line 9, W <- (1 - lr * weight_decay) W - lr' * dW, on each rank's data, then synchronise.
         lr = group["lr"]  # a float, or a one-element tensor (kept a tensor: schedulers may change it under torch.compile)
+        if isinstance(lr, torch.Tensor):
+            # 0-d: a (1,)-shaped float64 lr took part in type promotion, and a float32 parameter's weight decay
+            # was computed in float64 (3.6e-7 from the float lr's parameters after 5 steps; a user's hunt).
+            lr = lr.reshape(())
         updates = {}
         for p, _ in plan.stepping:
             step_lr = adjusted_lr(lr, group["adjust_lr_fn"], *_fismo.matrix_shape(p.shape))

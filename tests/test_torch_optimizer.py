@@ -350,13 +350,27 @@ def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_an
         (0, "algorithm", "sgd", ValueError, r"param group 0: algorithm 'sgd' set in a group added as 'fismo'"),
         (0, "algorithm", "adamw", ValueError, r"param group 0: algorithm 'adamw' set in a group added as 'fismo'"),
         (1, "algorithm", "fismo", ValueError, r"param group 1: algorithm 'fismo' set in a group added as 'adamw'"),
+        # Keys of the other algorithm, or of Muon, written later (2026-12-02, a user's hunt): a beta2 schedule
+        # over every group was refused as "algorithm 'fismo' set in a group added as 'adamw'", Muon's warm-up
+        # of group["momentum"] and an AdamW group's fused=True were kept and ignored, amsgrad turned on raised
+        # KeyError after the FISMO group had stepped.
+        (0, "betas", (0.9, 0.98), ValueError, r"param group 0 is a FISMO group and AdamW's \['betas'\] was set"),
+        (0, "momentum", 0.85, ValueError, r"param group 0 has keys, set since it was added, of other optimizers.*"
+                                          r"momentum -> beta=0\.85"),
+        (1, "gamma", 0.9, ValueError, r"param group 1 is an 'adamw' group and FISMO's \['gamma'\] was set"),
+        (1, "fused", True, ValueError, r"param group 1 is an 'adamw' group and \{'fused': True\} was set since"),
+        (1, "amsgrad", True, ValueError, r"parameter 0 of param group 1 \(shape \(5,\)\): amsgrad was turned on"),
     ]:
-        saved = opt.param_groups[gi][key]
+        missing = object()
+        saved = opt.param_groups[gi].get(key, missing)
         opt.param_groups[gi][key] = value
         with pytest.raises(error, match=match):
             opt.step()
         unchanged()
-        opt.param_groups[gi][key] = saved
+        if saved is missing:
+            del opt.param_groups[gi][key]
+        else:
+            opt.param_groups[gi][key] = saved
     opt.param_groups[0]["block_size"] = 6  # splits nothing differently: the state fits
     opt.step()
     assert opt.state[W]["step"].item() == 2
@@ -1047,12 +1061,15 @@ def test_state_dict_round_trip_resumes_bit_identically(block_size):
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, weight_decay, adjust_lr_fn):
+@pytest.mark.parametrize("lr_shape", [(), (1,)], ids=["0-d", "shape (1,)"])
+def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, weight_decay, adjust_lr_fn, lr_shape):
     """A tensor lr (PyTorch's recipe for compiled steps under a scheduler) is not another rounding of line 9.
 
     Both apply ``p - rate dW`` as one fused multiply-add (``add_`` with ``alpha``; ``addcmul``): equal bit
     for bit when the tensor holds the float's value (float64). ``sub_(dW * rate)`` rounded twice: 1.1e-16
-    from the float lr's float64 parameters after 5 steps, 1.2e-7 in float32.
+    from the float lr's float64 parameters after 5 steps, 1.2e-7 in float32. A one-element lr of shape
+    ``(1,)`` took part in type promotion: a float32 parameter's weight decay ran in float64 (3.6e-7 after 5
+    steps; a user's hunt, 2026-12-02); it is read as 0-d.
     """
     def run(lr):
         gen = torch.Generator().manual_seed(0)
@@ -1063,7 +1080,63 @@ def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, w
             opt.step()
         return W.detach()
 
-    assert torch.equal(run(torch.tensor(0.02, dtype=torch.float64)), run(0.02))
+    assert torch.equal(run(torch.tensor(0.02, dtype=torch.float64).reshape(lr_shape)), run(0.02))
+
+
+def test_an_adamw_state_of_another_shape_is_refused_at_load_and_at_the_step():
+    """A grown vocabulary (the embedding, an AdamW parameter, resized from 10 to 12 rows): its checkpoint's
+    moments loaded, and the next step raised torch's size mismatch, naming no parameter, after the FISMO
+    matrix had stepped (a user's hunt, 2026-12-02). Refused at load, before anything is loaded; a state
+    resized in place (``opt.state`` kept across the resize) is refused at the step, before anything changes."""
+    def model(vocab):
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"emb": torch.nn.Embedding(vocab, 4), "mid": torch.nn.Linear(4, 4, bias=False)})
+
+    def loss(m, tokens):
+        return torch.tanh(m["mid"](m["emb"](tokens))).square().mean()
+
+    small = model(10)
+    opt = FISMO([{"params": [small["mid"].weight]}, {"params": [small["emb"].weight], "algorithm": "adamw"}], lr=0.02)
+    loss(small, torch.tensor([1, 2, 3])).backward()
+    opt.step()
+    saved = opt.state_dict()
+    big = model(12)
+    resumed = FISMO([{"params": [big["mid"].weight]}, {"params": [big["emb"].weight], "algorithm": "adamw"}], lr=0.02)
+    with pytest.raises(ValueError, match=r"AdamW state 'exp_avg' for parameter 0 of param group 1 \(shape \(12, 4\)\)"
+                                         r" has shape \(10, 4\), not the parameter's"):
+        resumed.load_state_dict(saved)
+    assert not resumed.state
+    # The state kept while the parameter is swapped for a larger one in place.
+    opt.zero_grad()
+    small["emb"].weight.data = torch.randn(12, 4)
+    loss(small, torch.tensor([1, 11])).backward()
+    W, M, step = (small["mid"].weight.detach().clone(), opt.state[small["mid"].weight]["M"].clone(),
+                  opt.state[small["mid"].weight]["step"].item())
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 \(shape \(12, 4\)\): its AdamW state "
+                                         r"'exp_avg' has shape \(10, 4\), not the parameter's"):
+        opt.step()
+    assert torch.equal(small["mid"].weight, W) and torch.equal(opt.state[small["mid"].weight]["M"], M)
+    assert opt.state[small["mid"].weight]["step"].item() == step
+
+
+def test_a_numpy_scalar_written_after_a_step_reaches_no_state_dict():
+    """A schedule computed with NumPy writes ``np.float64`` into ``lr`` (both kinds of group) and AdamW's
+    ``betas``; the step stores such values as floats, but a ``state_dict`` taken before the next step held
+    them and ``torch.load(weights_only=True)`` refused it (a user's hunt, 2026-12-02)."""
+    np = pytest.importorskip("numpy")
+    W, b = torch.nn.Parameter(torch.randn(5, 6)), torch.nn.Parameter(torch.randn(5))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
+    W.grad, b.grad = torch.randn(5, 6), torch.randn(5)
+    opt.step()
+    opt.param_groups[0]["lr"] = np.float64(0.01)
+    opt.param_groups[1]["lr"] = np.float64(1e-4)
+    opt.param_groups[1]["betas"] = (np.float64(0.9), 0.95)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    groups = torch.load(buffer, weights_only=True)["param_groups"]
+    assert groups[0]["lr"] == 0.01 and type(groups[0]["lr"]) is float
+    assert groups[1]["betas"] == (0.9, 0.95) and type(groups[1]["betas"][0]) is float
 
 
 @pytest.mark.numbers
