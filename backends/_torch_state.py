@@ -389,7 +389,7 @@ def _agree_across_shards(checks: list, extra: Optional[list] = None) -> tuple[li
 
 
 def read_step_faults(
-    checks: "GradientChecks", root_faults: list, owner_groups: list, digest: int = 0
+    checks: "GradientChecks", root_faults: list, owner_groups: list, digest: Optional[int] = None
 ) -> tuple["GradientChecks", bool, Optional[torch.Tensor]]:
     """The step's one host read: whether a ``"raise"`` gradient or parameter is not finite, or a root failed.
 
@@ -399,8 +399,9 @@ def read_step_faults(
     every rank then takes the same decision, else the ranks that did not raise would wait forever in
     line 9's collectives for the one that did. ``digest`` (`gradient_digest`) rides in the same
     all-reduces, as itself and negated: the ranks' digests differ where the minima of the two do not
-    cancel. Returns the checks with their agreed flags, whether a fault was found (the ranks' digests
-    differing is one), and that difference as a flag (``None`` where nothing was reduced).
+    cancel (``None``: no replicated matrix, nothing rides). Returns the checks with their agreed flags,
+    whether a fault was found (the ranks' digests differing is one), and that difference as a flag
+    (``None`` where it was not reduced).
     """
     if not owner_groups:
         pending, _ = _agree_across_shards(checks.pending)
@@ -410,35 +411,39 @@ def read_step_faults(
     device = owner_groups[0][1]
     failed_here = torch.stack([f.to(device) for f in local]).any() if local else torch.zeros((), dtype=torch.bool,
                                                                                              device=device)
-    riding = torch.cat([(~failed_here).to(torch.int32).reshape(1),
-                        torch.tensor([digest, -digest], dtype=torch.int32, device=device)])
+    riding = (~failed_here).to(torch.int32).reshape(1)
+    if digest is not None:  # a host-to-device copy of two numbers, under DDP only
+        riding = torch.cat([riding, torch.tensor([digest, -digest], dtype=torch.int32, device=device)])
     pending, reduced = _agree_across_shards(checks.pending, (owner_groups, riding))
     checks = checks._replace(pending=pending)
-    digests_differ = reduced[1] + reduced[2] != 0  # min(d) != max(d) over the ranks
-    return checks, bool(_guards.read_faults(*checks.faults(), reduced[0] == 0, digests_differ)), digests_differ
+    digests_differ = None if digest is None else reduced[1] + reduced[2] != 0  # min(d) != max(d) over the ranks
+    faults = [reduced[0] == 0] + ([] if digests_differ is None else [digests_differ])
+    return checks, bool(_guards.read_faults(*checks.faults(), *faults)), digests_differ
 
 
 #: `gradient_digest` sums per-matrix weights modulo this prime (2^31 - 1), so that it and its negation are int32.
 _DIGEST_MODULUS = 2**31 - 1
 
 
-def gradient_digest(param_groups: list, placements: dict) -> int:
-    """A number that differs between DDP ranks whose replicated FISMO matrices with a gradient differ.
+def gradient_digest(param_groups: list, placements: dict) -> Optional[int]:
+    """A number that differs between DDP ranks whose replicated FISMO matrices with a gradient differ;
+    ``None`` where no matrix is replicated (no DDP: FSDP2's gradients agree by construction).
 
     Each such matrix adds a fixed weight of its index in the groups (a multiple of the golden-ratio
     constant, modulo a prime, never 0): one matrix more or fewer always changes the sum; several
     differences cancel with a chance of about 1 in 2^31. Computed on the host from ``p.grad is None``.
     """
-    digest = 0
-    index = 0
+    digest, replicated, index = 0, False, 0
     for group in param_groups:
         if group["algorithm"] != "fismo":
             continue
         for p in group["params"]:
             index += 1
-            if p.grad is not None and isinstance(placements.get(p), ReplicatedPlacement):
-                digest = (digest + index * 0x9E3779B1) % _DIGEST_MODULUS
-    return digest
+            if isinstance(placements.get(p), ReplicatedPlacement):
+                replicated = True
+                if p.grad is not None:
+                    digest = (digest + index * 0x9E3779B1) % _DIGEST_MODULUS
+    return digest if replicated else None
 
 
 def refused_anywhere(owner_groups: list, refused_here: bool) -> bool:

@@ -485,7 +485,7 @@ class FISMO(Optimizer):
                               for plan in plans.values()) else _dist.owner_groups(placements)
         # Under DDP a digest of which matrices have a gradient rides along: the owners' broadcasts pair up
         # only where every rank steps the same matrices.
-        digest = gradient_digest(self.param_groups, placements) if agree else 0
+        digest = gradient_digest(self.param_groups, placements) if agree else None
         checks, found, digests_differ = read_step_faults(
             checks, [f for call in calls for f in call.result.faults], agree, digest
         )
