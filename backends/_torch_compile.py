@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -25,6 +24,8 @@ from array_api_compat import torch as _compat_torch
 
 from fismo_core import guards as _guards
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
+
+from ._torch_groups import numpy_scalar_keys
 
 try:  # private classes of dynamo (torch 2.13), for `through_dynamo`
     from torch._dynamo.exc import UserError as _UserError, UserErrorType as _UserErrorType
@@ -70,19 +71,13 @@ def warn_of_numpy_scalars(param_groups: list[dict]) -> None:
     next NumPy scalar written there (a schedule computed with NumPy) fails them, so each such write
     compiles the step again, until dynamo's recompile limit. ``float(x)`` does not.
     """
-    numpy = sys.modules.get("numpy")
-    if numpy is None:  # no NumPy scalar can exist
-        return
     for index, group in enumerate(param_groups):
-        for name, value in group.items():
-            if isinstance(value, numpy.generic) or (
-                isinstance(value, tuple) and any(isinstance(v, numpy.generic) for v in value)
-            ):
-                warnings.warn(
-                    f"param group {index}: {name} is a NumPy scalar ({value!r}); it is stored as a Python float, "
-                    f"but each NumPy scalar written there compiles the step again: write float(x)",
-                    stacklevel=2,
-                )
+        for name in numpy_scalar_keys(group):
+            warnings.warn(
+                f"param group {index}: {name} is a NumPy scalar ({group[name]!r}); it is stored as a Python float, "
+                f"but each NumPy scalar written there compiles the step again: write float(x)",
+                stacklevel=2,
+            )
 
 
 def through_dynamo(exc: Exception) -> Exception:

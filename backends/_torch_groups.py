@@ -511,20 +511,27 @@ def own_nested_options(group: dict) -> dict:
     return group
 
 
+def numpy_scalar_keys(group: dict) -> list[str]:
+    """The keys of ``group`` whose value is a NumPy scalar or a tuple holding one (``betas``)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:  # no NumPy scalar can exist
+        return []
+    return [key for key, value in group.items()
+            if isinstance(value, numpy.generic)
+            or (isinstance(value, tuple) and any(isinstance(v, numpy.generic) for v in value))]
+
+
 def plain_numbers(group: dict) -> dict:
     """A saved group's NumPy scalars (also inside a tuple: ``betas``) as Python numbers, and the group.
 
     The step stores them so (`check_group_settings`, `core_key`); one written after the last step (a
     schedule computed with NumPy) would reach a ``state_dict`` that ``torch.load(weights_only=True)``
     refuses. Only for ``state_dict``'s copies of the groups: the live group is the step's to check."""
-    numpy = sys.modules.get("numpy")
-    if numpy is None:  # no NumPy scalar can exist
-        return group
-    for key, value in group.items():
-        if isinstance(value, numpy.generic):
-            group[key] = value.item()
-        elif isinstance(value, tuple) and any(isinstance(v, numpy.generic) for v in value):
-            group[key] = tuple(v.item() if isinstance(v, numpy.generic) else v for v in value)
+    for key in numpy_scalar_keys(group):
+        numpy = sys.modules["numpy"]
+        value = group[key]
+        group[key] = (tuple(v.item() if isinstance(v, numpy.generic) else v for v in value)
+                      if isinstance(value, tuple) else value.item())
     return group
 
 
