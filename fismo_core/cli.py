@@ -85,6 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 parser.error(f"demo: --{name} must be a positive integer")
         from .demo import default_config
         from .demo import main as demo_main
+        from .demo import out_directory
 
         try:
             config = default_config(
@@ -99,6 +100,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"demo: {exc}")
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             parser.error(f"demo: --out {args.out} is a file; the report is a directory")
+        try:
+            out_directory(args.out)
+        except OSError as exc:  # before the runs, not after them
+            parser.error(f"demo: {exc}")
         command = " ".join(["fismo", *(argv if argv is not None else sys.argv[1:])])
         return demo_main(config, args.out, progress=not args.no_progress, command=command)
     raise AssertionError(args.command)  # argparse rejects unknown commands

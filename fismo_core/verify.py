@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from . import __version__
+from ._paths import cannot_write_in
 from .linalg import _check_integer
 from .optimizer import FISMO, InverseRootConfig, PolarConfig
 from .testing import (
@@ -722,6 +723,9 @@ def main(
         return 2
     if save is not None and Path(save).is_dir():  # refused before the run, not after it
         print(f"fismo verify: cannot write {save}: it is a directory (give a file name, e.g. {Path(save) / 'reference.npz'})", file=err)
+        return 2
+    if save is not None and (reason := cannot_write_in(Path(save).resolve().parent)) is not None:
+        print(f"fismo verify: cannot write {save}: {reason} in {Path(save).resolve().parent}", file=err)
         return 2
     if against is not None:
         try:

@@ -71,3 +71,21 @@ def one_thread_per_test_process():
 
     with _one_thread():
         yield
+
+
+@pytest.fixture
+def unwritable_directory(tmp_path):
+    """An existing directory where no file can be created: a read-only one for an ordinary user; for root,
+    whom permission bits do not stop, ``/sys`` (sysfs creates no files)."""
+    from fismo_core._paths import cannot_write_in
+
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        if not os.path.isdir("/sys") or cannot_write_in("/sys") is None:
+            pytest.skip("running as root, and no directory here refuses root a file")
+        yield "/sys"
+        return
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    locked.chmod(0o555)
+    yield str(locked)
+    locked.chmod(0o755)

@@ -490,6 +490,41 @@ def test_save_into_a_directory_is_refused_before_running(tmp_path: Path, capsys)
     assert captured.out == "" and "it is a directory" in captured.err and len(captured.err.strip().splitlines()) == 1
 
 
+def test_save_where_no_file_can_be_created_is_refused_before_running(unwritable_directory: str, capsys) -> None:
+    """A ``--save`` directory that exists but takes no file (permissions, a read-only mount) failed only after
+    the run; now before it (tried with a temporary file), exit 2 and one line with the system's reason."""
+    path = os.path.join(unwritable_directory, "ref.npz")
+    assert cli_main(["verify", "--steps", "1", "--save", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert captured.err.startswith(f"fismo verify: cannot write {path}: ") and unwritable_directory in captured.err
+
+
+def test_demo_out_that_cannot_be_written_is_a_usage_error_before_any_run(
+    unwritable_directory: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """``fismo demo --out DIR`` where DIR cannot be created or takes no file trained everything (12 minutes
+    or more), then failed writing the report; now a usage error before the first run, and the Python
+    entry point raises `OSError` saying why, before it too."""
+    import fismo_core.demo as demo
+
+    def no_run(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the demo ran before its output directory was checked")
+
+    monkeypatch.setattr(demo, "run_demo", no_run)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out in (os.path.join(unwritable_directory, "results"),  # cannot be created
+                str(a_file / "results"),                          # under a file: "Not a directory"
+                unwritable_directory):                            # exists, takes no file
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["demo", "--quick", "--out", out])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"demo: cannot write the report to {out}: " in err, err
+        with pytest.raises(OSError, match=f"cannot write the report to {re.escape(out)}: "):
+            demo.main(demo.default_config(True), out)
+
+
 def test_demo_out_that_is_a_file_is_a_usage_error(tmp_path: Path, capsys) -> None:
     """``fismo demo --out FILE`` trained everything, then failed writing the report with a traceback."""
     existing = tmp_path / "results"

@@ -22,10 +22,13 @@ Needs torch, scikit-learn, matplotlib and tqdm; SOAP needs pytorch-optimizer
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .._paths import cannot_write_in
 from .config import DemoConfig, TaskPlan, default_config
 from .run import DemoResults, run_demo
 
-__all__ = ["DemoConfig", "DemoResults", "TaskPlan", "default_config", "main", "run_demo", "wrote_line"]
+__all__ = ["DemoConfig", "DemoResults", "TaskPlan", "default_config", "main", "out_directory", "run_demo", "wrote_line"]
 
 
 def main(
@@ -38,22 +41,34 @@ def main(
 ) -> int:
     """Run the demo ``config`` and write its report to ``out``; prints the tables. Returns the exit code (0).
 
+    ``out`` is created and tried for writing first (`out_directory`): an `OSError` before any run.
+
     ``journal``: record every finished run in ``out/journal.jsonl`` and reuse
     the runs already recorded there (an interrupted demo resumes; see
     [`run_demo`][fismo_core.demo.run_demo]).
     """
-    from pathlib import Path
-
     from .report import write_report
 
-    path = Path(out)
-    if journal:
-        path.mkdir(parents=True, exist_ok=True)
+    path = out_directory(out)
     results = run_demo(config, progress=progress, journal=path / "journal.jsonl" if journal else None)
     report, files = write_report(results, path, command)
     print(report)
     print(wrote_line(out, files, results.seconds, results.cpu_seconds))
     return 0
+
+
+def out_directory(out: str) -> Path:
+    """``out``, created if missing and tried for writing before any run (a report that cannot be written
+    was found only after the whole demo, 12 minutes or more); an `OSError` that says why otherwise."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    reason = cannot_write_in(path)
+    if reason is not None:
+        raise OSError(f"cannot write the report to {out}: {reason}")
+    return path
 
 
 def wrote_line(out: str, files: list[str], seconds: float, cpu_seconds: float) -> str:
