@@ -239,17 +239,26 @@ def check_group_settings(param_groups: list) -> None:
         _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), where)
 
 
-def check_adamw_states(param_groups: list, state: Any) -> None:
-    """Every existing state of an AdamW group's parameter with a gradient fits the parameter and the group:
-    moments of its shape, and ``max_exp_avg_sq`` where ``amsgrad`` is on. Before anything changes:
-    ``torch.optim.AdamW``'s step raises (a size mismatch, ``KeyError``) after the FISMO groups before it
-    have stepped. A state of another shape comes from a resized parameter (a grown vocabulary)."""
+def check_states_fit(param_groups: list, state: Any) -> None:
+    """Every existing state of a parameter with a gradient fits the parameter and its group, before anything
+    changes. A FISMO matrix's momentum ``M`` has the matrix's shape (on every rank: another rank's matrix by its
+    placeholder), where the core raised on the owner alone, naming no parameter. An AdamW parameter's
+    moments have its shape, and ``max_exp_avg_sq`` exists where ``amsgrad`` is on: ``torch.optim.AdamW``'s
+    step raises (a size mismatch, ``KeyError``) after the FISMO groups before it have stepped. A state of
+    another shape comes from a resized parameter (a grown vocabulary, a widened layer)."""
     for index, group in enumerate(param_groups):
-        if group["algorithm"] != "adamw":
-            continue
         for i, p in enumerate(group["params"]):
             s = state.get(p) if p.grad is not None else None
             if not s:
+                continue
+            if group["algorithm"] == "fismo":
+                M = s.get("M")
+                if isinstance(M, torch.Tensor) and tuple(M.shape) != matrix_shape(p.shape):
+                    raise ValueError(
+                        f"{param_name(group, i, index)}: its FISMO state was made for a {M.shape[0]}x{M.shape[1]} "
+                        "matrix, not for this parameter's (resized since the state was made or loaded); nothing "
+                        "was stepped. Start this parameter's state anew (del opt.state[p]) or load a state of its shape"
+                    )
                 continue
             for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                 value = s.get(key)

@@ -52,7 +52,7 @@ from ._torch_groups import (
     STEP_COUNT_DEVICE,
     adamw_group_step,
     adjusted_lr,
-    check_adamw_states,
+    check_states_fit,
     check_group_settings,
     core_key,
     drop_fismo_keys,
@@ -459,7 +459,7 @@ class FISMO(Optimizer):
                 return
             self._static_shapes()
         check_group_settings(self.param_groups)
-        check_adamw_states(self.param_groups, self.state)
+        check_states_fit(self.param_groups, self.state)
         checks = check_grads(self.param_groups)
         placements = self._placements()
         created: list[torch.Tensor] = []  # the parameters whose state this step creates
@@ -581,7 +581,7 @@ class FISMO(Optimizer):
         warn_of_numpy_scalars(self.param_groups)
         try:
             check_group_settings(self.param_groups)
-            check_adamw_states(self.param_groups, self.state)
+            check_states_fit(self.param_groups, self.state)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
             new = {id(g): self._stateless(g) for g in self.param_groups}
             for g in self.param_groups:

@@ -366,6 +366,27 @@ def _run_compiled(rank: int, X, Y, mode: str) -> dict:
     return out
 
 
+def _run_resized(rank: int, X, Y) -> dict:
+    """Replicated matrices (DDP's layout, gradients set by hand: DDP's reducer cannot follow a resize), one
+    owned per rank, then the second widened in place on every rank. What each rank's next step raised."""
+    from fismo_core.backends.torch import FISMO
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64)) for _ in range(2)]
+    opt = FISMO(weights, lr=LR, process_group=dist.group.WORLD)
+    for _ in range(2):
+        for p in weights:
+            p.grad = torch.ones_like(p)
+        try:
+            opt.step()
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        owns = _owns(opt, weights[1])
+        weights[1].data = torch.randn(5, 3, dtype=torch.float64)
+    return {"error": error, "owns": owns}
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -380,6 +401,7 @@ def _worker(rank: int, store: str, out: str) -> None:
                    "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y),
                    **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "block size changed": _run_block_size_changed(rank, X, Y),
+                   "resized": _run_resized(rank, X, Y),
                    **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "ddp, mismatched gradients": _run_mismatched_grads(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
@@ -622,6 +644,17 @@ def test_a_changed_block_size_is_refused_on_every_rank(runs):
     assert sorted(r["owns"] for r in results) == [False, True]
     for r in results:
         assert r["error"] and "block_size=8 splits parameter 0 of param group 0 (shape (16, 12))" in r["error"], r
+
+
+def test_a_resized_matrix_is_refused_on_every_rank(runs):
+    """A matrix resized in place after its state was made: its owner's core raised (naming no parameter) and
+    the other rank, which has only placeholders, went on into the collectives and failed there ("Connection
+    closed by peer", or a hang until the timeout). Every rank checks the placeholders' shape now."""
+    results = [run["resized"] for run in runs]
+    assert sorted(r["owns"] for r in results) == [False, True]
+    for r in results:
+        assert r["error"] and r["error"].startswith("parameter 1 of param group 0 (shape (5, 3)): its FISMO state "
+                                                    "was made for a 4x3 matrix"), r
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

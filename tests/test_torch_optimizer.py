@@ -1119,6 +1119,29 @@ def test_an_adamw_state_of_another_shape_is_refused_at_load_and_at_the_step():
     assert opt.state[small["mid"].weight]["step"].item() == step
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_resized_fismo_matrix_is_refused_at_the_step_naming_it(compiled):
+    """A FISMO matrix widened in place (``opt.state`` kept across the resize): the core raised "state does
+    not match the gradient: G has shape (1, 5, 3) ...", naming no parameter (and only on the matrix's owner,
+    where every rank must refuse together). Refused by the adapter now, naming the parameter, before anything
+    changes, eagerly and compiled (where dynamo recompiles for the new shape and checks again)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4, 3))
+    opt = FISMO([a, b], lr=0.02)
+    step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+    a.grad, b.grad = torch.randn(4, 3), torch.randn(4, 3)
+    step()
+    b.data, b.grad, a.grad = torch.randn(5, 3), torch.randn(5, 3), torch.randn(4, 3)
+    W, state = a.detach().clone(), {k: v.clone() for k, v in opt.state[a].items()}
+    with pytest.raises(ValueError, match=r"parameter 1 of param group 0 \(shape \(5, 3\)\): its FISMO state was made "
+                                         r"for a 4x3 matrix, not for this parameter's \(resized"):
+        step()
+    assert torch.equal(a, W) and all(torch.equal(opt.state[a][k], v) for k, v in state.items())
+    del opt.state[b]  # what the message advises: b starts anew
+    step()
+    assert opt.state[b]["M"].shape == (5, 3) and not torch.equal(a, W)
+
+
 def test_a_numpy_scalar_written_after_a_step_reaches_no_state_dict():
     """A schedule computed with NumPy writes ``np.float64`` into ``lr`` (both kinds of group) and AdamW's
     ``betas``; the step stores such values as floats, but a ``state_dict`` taken before the next step held
