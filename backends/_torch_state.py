@@ -494,6 +494,12 @@ def check_grads(param_groups: list) -> GradientChecks:
                     raise TypeError(f"{name} has a non-floating gradient ({g.dtype})")
                 if tuple(g.shape) != tuple(p.shape):
                     raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}")
+            elif g.dtype != p.dtype:  # torch.optim.AdamW raised in its step, after the FISMO groups had stepped
+                raise TypeError(
+                    f"{name} has dtype {p.dtype} and a gradient of dtype {g.dtype} (its grad_dtype); AdamW groups "
+                    "step as torch.optim.AdamW, which needs the parameter's dtype: leave grad_dtype unset on "
+                    "their parameters (FISMO groups take a gradient of any floating dtype); nothing was stepped"
+                )
     checks = _finiteness_flags(param_groups)
     policy = [param_groups[gi].get("nonfinite", CORE_DEFAULTS.nonfinite) for gi, *_ in checks]
     skipping = [c for c, rule in zip(checks, policy) if rule == "skip"]

@@ -218,6 +218,32 @@ def test_bad_adamw_settings_set_later_are_refused_before_the_fismo_groups_step(s
         assert all(torch.equal(v, before[2][index][k]) for k, v in state.items())
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="this torch has no Tensor.grad_dtype")
+def test_a_gradient_of_another_dtype_is_refused_in_an_adamw_group_before_anything_steps():
+    """torch's ``grad_dtype`` lets a bfloat16 parameter hold a float32 gradient. ``torch.optim.AdamW`` cannot
+    step it ("expected dtype c10::BFloat16 for `end` but got dtype float"), and raised so after the FISMO
+    group before it had stepped and the AdamW state had been made (a user's hunt, 2026-12-02). Refused
+    before anything changes now; a FISMO group takes such a gradient, as the float32 gradient it is."""
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(4, 3, generator=gen, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.randn(3, generator=gen, dtype=torch.bfloat16))
+    for p in (W, b):
+        p.grad_dtype = torch.float32
+    W.grad, b.grad = torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.1)
+    before = (W.detach().clone(), b.detach().clone())
+    with pytest.raises(TypeError, match=r"parameter 0 of param group 1 \(shape \(3,\)\) has dtype torch.bfloat16 "
+                                        r"and a gradient of dtype torch.float32 \(its grad_dtype\); AdamW groups"):
+        opt.step()
+    assert torch.equal(W, before[0]) and torch.equal(b, before[1]) and not opt.state
+    # The FISMO group alone: the float32 gradient is the core's G, as a float32 parameter's would be.
+    twin = torch.nn.Parameter(W.detach().float())
+    twin.grad = W.grad.clone()
+    FISMO([W], lr=0.1).step()
+    FISMO([twin], lr=0.1).step()
+    assert torch.equal(W, twin.detach().to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("setting, value", [("lr", 1e-3), ("eps", 1e-6), ("weight_decay", 0.05), ("betas", (0.8, 0.99))])
 def test_numpy_scalar_adamw_settings_are_stored_as_python_floats(setting, value):
     """An AdamW group's NumPy-scalar settings, given or set later, are stored as floats and step as the floats
