@@ -50,6 +50,7 @@ class InverseRootError(FloatingPointError):
 # ------------------------------------------------------------------ arguments
 def check_matrix(X: Array, name: str) -> Any:
     """The namespace of ``X``; a clear error unless it is a real floating stack of matrices ``(..., m, n)``."""
+    linalg._refuse_numpy_matrix(X, name)
     try:
         xp = array_namespace(X)
     except TypeError as exc:

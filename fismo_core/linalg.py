@@ -263,7 +263,20 @@ def _check_same_namespace_and_device(*arrays: Array) -> Any:
     return xp
 
 
+def _refuse_numpy_matrix(X: Any, name: str) -> None:
+    """A clear ``TypeError`` for NumPy's legacy ``numpy.matrix``, whose ``*`` is a matrix product and whose
+    reductions keep two dimensions: the array API's expressions fail on it or compute something else.
+    SciPy's sparse ``.todense()`` returns one."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(X, numpy.matrix):
+        raise TypeError(
+            f"{name} is a numpy.matrix (scipy.sparse's .todense() returns one), whose * is a matrix product: "
+            f"pass np.asarray({name}) (or the sparse matrix's .toarray())"
+        )
+
+
 def _check_float_matrices(X: Array, name: str, *, square: bool = False) -> Any:
+    _refuse_numpy_matrix(X, name)
     xp = array_namespace(X)
     if X.ndim < 2:
         raise ValueError(f"{name} must have shape (..., m, n) with at least 2 dimensions, got shape {tuple(X.shape)}")

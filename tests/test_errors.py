@@ -164,6 +164,29 @@ def test_non_array_G_is_rejected(G: Any) -> None:
     _raises_and_untouched(lambda: opt.step(W, G, state), state, TypeError, r"G must be an array of an array-API-compatible library")
 
 
+def test_a_numpy_matrix_is_refused_by_name_in_the_core_and_the_matrix_functions() -> None:
+    """``numpy.matrix`` (what SciPy's sparse ``.todense()`` returns) multiplies with ``*`` and keeps two
+    dimensions in its reductions: the core and ``polar`` / ``inverse_sqrt`` raised ``matrix.max() got an
+    unexpected keyword argument 'keepdims'``, ``trace_normalize`` a shape error. Refused by name now, saying
+    what to pass, before anything changes."""
+    from fismo_core import linalg
+
+    opt, W, G, state = _numpy_setup()
+    match = r"is a numpy.matrix \(scipy.sparse's .todense\(\) returns one\), whose \* is a matrix product: pass np.asarray"
+    _raises_and_untouched(lambda: opt.step(W, np.asmatrix(G), state), state, TypeError, "G " + match)
+    _raises_and_untouched(lambda: opt.step(np.asmatrix(W), G, state), state, TypeError, "W " + match)
+    with pytest.raises(TypeError, match="W " + match):
+        opt.init(np.asmatrix(W))
+    S = np.asmatrix(G.T @ G + np.eye(G.shape[1]))
+    with pytest.raises(TypeError, match="A " + match):
+        linalg.inverse_sqrt(S)
+    for method in ("newton_schulz", "svd"):
+        with pytest.raises(TypeError, match="X " + match):
+            linalg.polar(np.asmatrix(G), method=method)
+    with pytest.raises(TypeError, match="X " + match):
+        linalg.whiten(np.asmatrix(G), np.eye(G.shape[0]), np.eye(G.shape[1]))
+
+
 # ---------------------------------------------------- namespaces, devices
 def test_two_namespaces_in_one_call() -> None:
     torch = pytest.importorskip("torch")
