@@ -347,7 +347,7 @@ class FISMO(Optimizer):
             if hook_result is not None:
                 state_dict = hook_result
         saved_groups = state_dict["param_groups"]
-        placements = self._placements()
+        placements = self._placements(laid_out=False)
         saved_state, base_state = full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
         check_saved_state(self.param_groups, saved_state, saved_groups)
         hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
@@ -359,6 +359,7 @@ class FISMO(Optimizer):
         restore_saved_state(
             self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
         )
+        self._keep_owners(placements)
         for group in self.param_groups:  # torch.optim deep-copies the saved groups at once: shared dicts stay shared
             own_nested_options(group)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -461,6 +462,9 @@ class FISMO(Optimizer):
         check_group_settings(self.param_groups)
         check_states_fit(self.param_groups, self.state)
         checks = check_grads(self.param_groups)
+        for group in self.param_groups:  # a block_size that splits a state otherwise: refused by that name first
+            if group["algorithm"] == "fismo":
+                self._core_for(group)
         placements = self._placements()
         created: list[torch.Tensor] = []  # the parameters whose state this step creates
         # Until line 9 nothing is written: whatever raises, the optimizer stays as it was, without the
@@ -678,15 +682,55 @@ class FISMO(Optimizer):
                     "optimizer"
                 )
 
-    def _placements(self) -> dict[torch.Tensor, _dist.Placement]:
-        """Where each FISMO matrix lives and which rank owns it (`_torch_distributed.placements`)."""
+    def _placements(self, *, laid_out: bool = True) -> dict[torch.Tensor, _dist.Placement]:
+        """Where each FISMO matrix lives and which rank owns it (`_torch_distributed.placements`).
+
+        With ``laid_out``, the states are laid out by the table of the last call: a matrix with a state
+        must keep its owner (`_check_owners_kept`). ``load_state_dict`` lays them out anew (``False``).
+        """
         fismo_params = (
             (p, group.get("block_size"))
             for group in self.param_groups
             if group["algorithm"] == "fismo"
             for p in group["params"]
         )
-        return _dist.placements(fismo_params, self.process_group, _direction_cost)
+        table = _dist.placements(fismo_params, self.process_group, _direction_cost)
+        if laid_out:
+            self._check_owners_kept(table)
+        return table
+
+    def _keep_owners(self, table: dict) -> None:
+        """Record the owners the states are now laid out by (no attribute at all in one process, where
+        nothing is distributed: a compiled step then writes nothing here)."""
+        owners = {p: placement.owner for p, placement in table.items() if placement.distributed}
+        if owners or hasattr(self, "_owners"):
+            self._owners = owners
+
+    def _check_owners_kept(self, table: dict) -> None:
+        """Refuse, on every rank, a table that moves a matrix with a state to another owner.
+
+        Owners are assigned greedily in parameter order by cost, so a matrix inserted before others in
+        the groups' ``params``, or a ``block_size`` set on a group, moves the owners after it; a moved
+        matrix's state stays on its old owner, and the new one raised alone (the others failed in the
+        collectives). Every rank holds the same previous table (``self._owners``), so all refuse together.
+        """
+        before = getattr(self, "_owners", None)
+        if before is None:
+            self._keep_owners(table)
+            return
+        owners = {p: placement.owner for p, placement in table.items() if placement.distributed}
+        moved = [p for p, owner in owners.items()
+                 if p in before and before[p] != owner and self.state.get(p, {}).get("M") is not None]
+        if moved:
+            more = f" and {len(moved) - 1} more" if len(moved) > 1 else ""
+            raise ValueError(
+                f"{self._label(moved[0])}{more} would move to another owner rank (from {before[moved[0]]} to "
+                f"{owners[moved[0]]}), and its state lives on its owner: a matrix was inserted before it in the "
+                "groups' params, or a group's block_size changed (owners follow parameter order and cost). "
+                "Nothing was stepped. Add matrices after the existing ones (add_param_group, or the end of the "
+                "last FISMO group) and set block_size before a group's first step"
+            )
+        self._owners = owners
 
     def _fismo_compute(
         self, group: dict, placements: dict, skip: Union[set, frozenset], created: list

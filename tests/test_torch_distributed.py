@@ -387,6 +387,36 @@ def _run_resized(rank: int, X, Y) -> dict:
     return {"error": error, "owns": owns}
 
 
+def _run_owners_moved(rank: int, X, Y) -> dict:
+    """Replicated matrices with states (gradients set by hand), then a change that moves owners: a matrix
+    inserted before others (appended to the first group's params), or a block_size set on a stateless
+    group before the others. What each rank's next step raised, and whether any parameter changed."""
+    from fismo_core.backends.torch import FISMO
+
+    out = {}
+    for change in ("append", "block_size"):
+        torch.manual_seed(0)
+        A, B, C = (torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in ((8, 8), (8, 6), (5, 5)))
+        groups = [{"params": [B]}, {"params": [C]}] if change == "append" else [{"params": [A]}, {"params": [B, C]}]
+        opt = FISMO(groups, lr=LR, process_group=dist.group.WORLD)
+        for p in (B, C):
+            p.grad = torch.ones_like(p)
+        opt.step()
+        if change == "append":
+            opt.param_groups[0]["params"].append(A)
+            A.grad = torch.ones_like(A)
+        else:
+            opt.param_groups[0]["block_size"] = 2
+        before = [p.detach().clone() for p in (A, B, C)]
+        try:
+            opt.step()
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        out[change] = {"error": error, "unchanged": all(torch.equal(p, q) for p, q in zip((A, B, C), before))}
+    return out
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -402,6 +432,7 @@ def _worker(rank: int, store: str, out: str) -> None:
                    **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "block size changed": _run_block_size_changed(rank, X, Y),
                    "resized": _run_resized(rank, X, Y),
+                   "owners moved": _run_owners_moved(rank, X, Y),
                    **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "ddp, mismatched gradients": _run_mismatched_grads(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
@@ -655,6 +686,16 @@ def test_a_resized_matrix_is_refused_on_every_rank(runs):
     for r in results:
         assert r["error"] and r["error"].startswith("parameter 1 of param group 0 (shape (5, 3)): its FISMO state "
                                                     "was made for a 4x3 matrix"), r
+
+
+@pytest.mark.parametrize("change", ["append", "block_size"])
+def test_a_change_that_moves_a_matrix_to_another_owner_is_refused_on_every_rank(runs, change):
+    """Owners follow parameter order and cost, so a matrix appended to the first group's params, or a
+    block_size set on a group before the others (one without states, which no state forbids), moved the
+    owners after it: the new owner held placeholders only and raised in the core, the other rank failed in
+    the collectives (a user's hunt, 2026-12-02). Refused on every rank now, nothing changed."""
+    for r in (run["owners moved"][change] for run in runs):
+        assert r["unchanged"] and r["error"] and "would move to another owner rank" in r["error"], r
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
