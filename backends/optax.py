@@ -548,16 +548,23 @@ def scale_by_fismo(
         return ScaleByFismoState(treedef.unflatten(states))
 
     def update_fn(updates: Any, state: ScaleByFismoState, params: Any = None) -> tuple[Any, ScaleByFismoState]:
-        del params
         leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [(path, jnp.asarray(g)) for path, g in leaves]  # NumPy gradients too, as optax's own take
         # ... and NumPy states: a checkpoint restored by np.load, pickle or jax.device_get.
         states = [jax.tree.map(_as_jax, s) for s in treedef.flatten_up_to(state.states)]
         leaves = [(path, _beside_state(g, s)) for (path, g), s in zip(leaves, states)]
         _check_finite_leaves(leaves)
+        # With the params, each state's dtype is checked against its parameter's (the gradient's may be
+        # narrower: float32 gradients of float64 params are the core's G).
+        weights = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
         directions, new_states = [], []
-        for (path, g), s in zip(leaves, states):
+        for (path, g), s, W in zip(leaves, states, weights):
             try:
+                # (A Python number has no dtype to check; a state of another kind than float32/float64,
+                # bfloat16 say, the core refuses with its own reason.)
+                if hasattr(W, "dtype") and s.M.dtype in (jnp.float32, jnp.float64):
+                    # canonical: NumPy float64 params are float32 in JAX without x64, and so is their state
+                    _fismo.check_state_dtype(jnp, s, jax.dtypes.canonicalize_dtype(W.dtype))
                 with _named_root_warnings(f"leaf {jax.tree_util.keystr(path)}"):
                     d, s = leaf_update(g, s)
             except InverseRootError as exc:
@@ -1024,7 +1031,10 @@ def _line_9(
         lr = learning_rate(state.count) if scheduled else learning_rate
 
         def coefficient(c: Any, x: Any) -> Any:
-            return jnp.array(c, dtype=x.dtype) if scheduled else c
+            # In the update's dtype: a schedule's value, and also a NumPy scalar or a JAX array given as the
+            # learning rate (inject_hyperparams passes arrays), which are not weakly typed as a Python float
+            # is and widened float32 or bfloat16 updates to their own dtype.
+            return c if type(c) in (int, float) else jnp.asarray(c, dtype=x.dtype)  # np.float64 is a float
 
         def leaf(dW: Any, W: Any) -> Any:
             step_lr = None if step_scale is None else lr * step_scale(*_fans(tuple(dW.shape), matrix_shape))

@@ -1129,12 +1129,7 @@ class FISMO:
             raise ValueError(f"W and G must have the same shape, got W {tuple(W.shape)} and G {tuple(G.shape)}")
         _check_same_namespace_and_device(W, G)
         _check_call(G, state, self.block_size, self.beta)
-        if state.M.dtype != state_dtype(xp, W.dtype):
-            raise TypeError(
-                f"state dtype {_dtype_name(state.M.dtype)} does not match W of dtype {_dtype_name(W.dtype)}: "
-                f"FISMO.init(W) would give {_dtype_name(state_dtype(xp, W.dtype))} (was the state built for "
-                "another parameter?)"
-            )
+        check_state_dtype(xp, state, W.dtype)
         if self.nonfinite == "raise":
             guards.check_finite(xp, G, W=W, dtype=state.M.dtype)
         refresh = self._refresh_roots(state, None)
@@ -1338,6 +1333,18 @@ def state_dtype(xp: Any, dtype: Any) -> Any:
     the widest dtype the decompositions take.
     """
     return xp.float64 if dtype == xp.float64 or xp.finfo(dtype).bits > 64 else xp.float32
+
+
+def check_state_dtype(xp: Any, state: FISMOState, dtype: Any) -> None:
+    """A ``TypeError`` unless ``state`` has the dtype ``FISMO.init(W)`` gives for a ``W`` of ``dtype`` in ``xp``
+    (`state_dtype`): a float64 parameter's state cast to float32 (to save memory, or from a float32 run) ran
+    the step in float32."""
+    if state.M.dtype != state_dtype(xp, dtype):
+        raise TypeError(
+            f"state dtype {_dtype_name(state.M.dtype)} does not match W of dtype {_dtype_name(dtype)}: "
+            f"FISMO.init(W) would give {_dtype_name(state_dtype(xp, dtype))} (was the state built for "
+            "another parameter, or cast?)"
+        )
 
 
 # ------------------------------------------------------------ rules the adapters share

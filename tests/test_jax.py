@@ -554,6 +554,29 @@ def test_optax_resumes_from_numpy_states_and_takes_python_scalar_leaves() -> Non
         tx.init({"w": jnp.zeros((4, 4), jnp.int32)})
 
 
+def test_optax_refuses_a_float64_leafs_state_cast_to_float32_when_given_the_params() -> None:
+    """A float64 parameter's state cast to float32 (``optax.tree.cast``, to save memory, or a float32 run's
+    checkpoint) ran every step in float32 without a word (5.9e-7 from the float64 run after a few steps; a
+    user's hunt, 2026-12-02): refused with the params, as ``FISMO.step`` refuses it. A float32 gradient of
+    a float64 parameter stays the core's G: the gradient's dtype does not decide, and without the params
+    nothing can be checked (``scale_by_fismo`` alone)."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo, scale_by_fismo
+
+    _jax_target("float64")
+    rng = np.random.default_rng(5)
+    params = {"w": jnp.asarray(rng.standard_normal(SHAPE), jnp.float64), "b": jnp.zeros(SHAPE[1], jnp.float64)}
+    for tx, leaves in ((fismo(0.02), ("w", "b")), (scale_by_fismo(), ("w",))):  # scale_by_fismo: matrices only
+        mine = {k: params[k] for k in leaves}
+        grads = jax.tree.map(lambda p: (p * 0.5 + 1.0).astype(jnp.float32), mine)
+        state = tx.init(mine)
+        tx.update(grads, state, mine)  # float32 gradients, float64 state: the core's G
+        with pytest.raises(TypeError, match=r"^leaf \['w'\] \(gradient of shape \(8, 12\)\): state dtype float32 "
+                                            r"does not match W of dtype float64: FISMO.init\(W\) would give float64"):
+            tx.update(grads, optax.tree.cast(state, jnp.float32), mine)
+    tx.update(grads, optax.tree.cast(state, jnp.float32))  # no params: nothing to check against
+
+
 def test_optax_matrix_shape_for_flax_kernels() -> None:
     """``matrix_shape`` chooses the matrix of a >2-D leaf, e.g. Flax's HWIO conv kernels as (kh*kw*in, out)."""
     optax = _optax()
@@ -582,17 +605,23 @@ def test_optax_matrix_shape_for_flax_kernels() -> None:
     assert isinstance(tx, optax.GradientTransformation)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_optax_low_precision_params(dtype: str) -> None:
+@pytest.mark.parametrize("lr", ["float", "np.float64", "np.float32", "jnp float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_optax_low_precision_params(dtype: str, lr: str) -> None:
     """bf16/fp16 params: updates and params keep their dtype, FISMO's statistics are float32,
-    and the result is the core's step on the same bf16/fp16 W, bit for bit."""
+    and the result is the core's step on the same bf16/fp16 W, bit for bit. Also with a learning
+    rate that is a NumPy scalar or a JAX array (what ``optax.inject_hyperparams`` passes): not weakly
+    typed as a Python float, it made float64 (or float32) updates of float32 (or bfloat16) params and
+    parted from the core's step by a rounding (a user's hunt, 2026-12-02)."""
     optax = _optax()
     from fismo_core.backends.optax import fismo
 
-    _jax_target("float32")
+    _jax_target("float64" if lr == "np.float64" else "float32")
     W0 = jnp.asarray(np.random.default_rng(11).standard_normal(SHAPE), dtype=dtype)
     grads = [jnp.asarray(g, dtype=dtype) for g in reference_gradients(SHAPE, 3, seed=12)]
-    tx, core = fismo(0.02), FISMO(lr=0.02)
+    learning_rate = {"float": 0.02, "np.float64": np.float64(0.02), "np.float32": np.float32(0.02),
+                     "jnp float32": jnp.asarray(0.02, dtype=jnp.float32)}[lr]
+    tx, core = fismo(learning_rate), FISMO(lr=float(learning_rate))
     W_tx = W_core = W0
     s_tx, s_core = tx.init(W0), core.init(W0)
     for G in grads:
