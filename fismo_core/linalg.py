@@ -133,6 +133,18 @@ def whiten(X: Array, left: Array, right: Array) -> Array:
     return (left @ X) @ right
 
 
+def materialised_coefficients(coefficients: Any) -> Any:
+    """``coefficients`` with an iterator, and each triple given as one, read into tuples: a config validates
+    them and then stores them, two reads. Names and anything else are returned as they are."""
+    if isinstance(coefficients, str):
+        return coefficients
+    if isinstance(coefficients, Iterator):
+        coefficients = tuple(coefficients)
+    if isinstance(coefficients, (tuple, list)):
+        return tuple(tuple(t) if isinstance(t, Iterator) else t for t in coefficients)
+    return coefficients
+
+
 def newton_schulz_schedule(
     coefficients: Coefficients, steps: int
 ) -> tuple[tuple[tuple[float, float, float], ...], float]:
@@ -151,7 +163,13 @@ def newton_schulz_schedule(
         triples = _NAMED_SCHEDULES[coefficients]
         safety = _NORMALIZATION_SAFETY[coefficients]
     else:
-        triples = tuple(tuple(float(v) for v in t) for t in coefficients)
+        try:
+            triples = tuple(tuple(float(v) for v in t) for t in coefficients)
+        except TypeError:  # None, a number, or one flat (a, b, c): Python's "'float' object is not iterable"
+            raise ValueError(
+                "explicit Newton–Schulz coefficients must be a non-empty sequence of (a, b, c) triples, got "
+                f"{coefficients!r} (one triple is written ((a, b, c),))"
+            ) from None
         if not triples or any(len(t) != 3 for t in triples):
             raise ValueError(
                 "explicit Newton–Schulz coefficients must be a non-empty sequence "

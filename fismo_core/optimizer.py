@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
@@ -82,8 +82,8 @@ class PolarConfig:
         if self.method not in ("newton_schulz", "svd"):
             raise ValueError(f"unknown polar method {self.method!r}: use 'newton_schulz' or 'svd'")
         object.__setattr__(self, "steps", linalg._check_integer("polar steps", self.steps))  # a Python int
-        if isinstance(self.coefficients, Iterator):  # read twice: validated, then stored
-            object.__setattr__(self, "coefficients", tuple(self.coefficients))
+        # read twice: validated, then stored
+        object.__setattr__(self, "coefficients", linalg.materialised_coefficients(self.coefficients))
         linalg.newton_schulz_schedule(self.coefficients, self.steps)  # validates the coefficients
         if not (isinstance(self.coefficients, str)):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
@@ -211,8 +211,8 @@ class InverseRootConfig:
             raise ValueError(f"unknown inverse-root method {self.method!r}: use 'eigh' or 'newton_schulz'")
         if self.steps is not None:  # None: the schedule's default
             object.__setattr__(self, "steps", linalg._check_integer("inverse-root steps", self.steps))
-        if isinstance(self.coefficients, Iterator):  # read twice: validated, then stored
-            object.__setattr__(self, "coefficients", tuple(self.coefficients))
+        # read twice: validated, then stored
+        object.__setattr__(self, "coefficients", linalg.materialised_coefficients(self.coefficients))
         try:
             linalg.inverse_sqrt_steps(self.coefficients, self.steps)  # validates both
         except ValueError as exc:
@@ -228,9 +228,7 @@ class InverseRootConfig:
         if self.fallback is not None and not isinstance(self.fallback, bool):
             raise TypeError(f"inverse-root fallback must be None, True or False, got {self.fallback!r}")
         max_failures = linalg._check_integer("inverse-root max_failures", self.max_failures, minimum=0)
-        tolerance = _check_real("inverse-root tolerance", self.tolerance, 0.0, 1.0, low_open=True)
-        if tolerance == 1.0:
-            raise ValueError("inverse-root tolerance must lie in (0, 1), got 1.0")
+        tolerance = _check_real("inverse-root tolerance", self.tolerance, 0.0, 1.0, low_open=True, high_open=True)
         object.__setattr__(self, "max_failures", max_failures)
         object.__setattr__(self, "tolerance", tolerance)
 

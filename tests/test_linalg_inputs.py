@@ -348,6 +348,26 @@ def test_configs_keep_coefficients_given_as_an_iterator() -> None:
     given = InverseRootConfig(method="newton_schulz", steps=20, coefficients=(t for t in root_schedule))
     assert given == InverseRootConfig(method="newton_schulz", steps=20, coefficients=root_schedule)
     assert given.coefficients == ((1.5, -0.5, 0.0),)
+    # Each triple an iterator too (a schedule parsed with map): validated, then stored as empty triples,
+    # refused at the first step with an error about ((),) (a user's hunt, 2026-12-02, again).
+    parsed = [map(float, "3.4445,-4.7750,2.0315".split(","))]
+    assert PolarConfig(coefficients=parsed) == PolarConfig(coefficients=polar_schedule)
+    assert InverseRootConfig(method="newton_schulz", steps=20, coefficients=[iter(root_schedule[0])]) == given
+
+
+@pytest.mark.parametrize("coefficients", [(3.4445, -4.7750, 2.0315), None, 3.0], ids=["flat triple", "None", "float"])
+def test_coefficients_that_are_no_sequence_of_triples_are_refused_by_name(coefficients) -> None:
+    """One flat ``(a, b, c)`` (optax.contrib.muon's ``ns_coeffs`` form), ``None`` or a number raised Python's
+    ``'float' object is not iterable``, naming no argument; the sequence-of-triples ValueError now, in the
+    configs and in ``polar``."""
+    from fismo_core import InverseRootConfig, PolarConfig
+
+    match = r"coefficients must be a non-empty sequence of \(a, b, c\) triples, .*one triple is written \(\(a, b, c\),\)"
+    for make in (lambda: PolarConfig(coefficients=coefficients),
+                 lambda: InverseRootConfig(method="newton_schulz", coefficients=coefficients),
+                 lambda: linalg.polar(np.eye(3), coefficients=coefficients)):
+        with pytest.raises(ValueError, match=match):
+            make()
 
 
 def test_whiten_refuses_mixed_dtypes() -> None:

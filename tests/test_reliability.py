@@ -1094,8 +1094,8 @@ def test_same_seed_same_bits(target: Target) -> None:
         ({"max_failures": -1}, ValueError, r"max_failures must be an integer >= 0, got -1"),
         ({"max_failures": 2.0}, ValueError, r"max_failures must be an integer >= 0"),
         ({"max_failures": True}, ValueError, r"max_failures must be an integer >= 0"),
-        ({"tolerance": 0.0}, ValueError, r"tolerance must lie in \(0\.0, 1\.0\]"),
-        ({"tolerance": 1.0}, ValueError, r"tolerance must lie in \(0, 1\), got 1\.0"),
+        ({"tolerance": 0.0}, ValueError, r"tolerance must lie in \(0\.0, 1\.0\), got 0\.0"),
+        ({"tolerance": 1.0}, ValueError, r"tolerance must lie in \(0\.0, 1\.0\), got 1\.0"),
         ({"tolerance": math.nan}, ValueError, r"tolerance must be a finite real number"),
     ],
 )
