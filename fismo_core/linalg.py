@@ -133,7 +133,7 @@ def whiten(X: Array, left: Array, right: Array) -> Array:
     return (left @ X) @ right
 
 
-def materialised_coefficients(coefficients: Any) -> Any:
+def _materialised_coefficients(coefficients: Any) -> Any:
     """``coefficients`` with an iterator, and each triple given as one, read into tuples: a config validates
     them and then stores them, two reads. Names and anything else are returned as they are."""
     if isinstance(coefficients, str):

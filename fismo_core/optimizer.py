@@ -83,7 +83,7 @@ class PolarConfig:
             raise ValueError(f"unknown polar method {self.method!r}: use 'newton_schulz' or 'svd'")
         object.__setattr__(self, "steps", linalg._check_integer("polar steps", self.steps))  # a Python int
         # read twice: validated, then stored
-        object.__setattr__(self, "coefficients", linalg.materialised_coefficients(self.coefficients))
+        object.__setattr__(self, "coefficients", linalg._materialised_coefficients(self.coefficients))
         linalg.newton_schulz_schedule(self.coefficients, self.steps)  # validates the coefficients
         if not (isinstance(self.coefficients, str)):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
@@ -212,7 +212,7 @@ class InverseRootConfig:
         if self.steps is not None:  # None: the schedule's default
             object.__setattr__(self, "steps", linalg._check_integer("inverse-root steps", self.steps))
         # read twice: validated, then stored
-        object.__setattr__(self, "coefficients", linalg.materialised_coefficients(self.coefficients))
+        object.__setattr__(self, "coefficients", linalg._materialised_coefficients(self.coefficients))
         try:
             linalg.inverse_sqrt_steps(self.coefficients, self.steps)  # validates both
         except ValueError as exc:
