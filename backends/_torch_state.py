@@ -389,7 +389,8 @@ def _agree_across_shards(checks: list, extra: Optional[list] = None) -> tuple[li
 
 
 def read_step_faults(
-    checks: "GradientChecks", root_faults: list, owner_groups: list, digest: Optional[int] = None
+    checks: "GradientChecks", root_faults: list, owner_groups: list, digest: Optional[int] = None,
+    param_groups: list = (),
 ) -> tuple["GradientChecks", bool, Optional[torch.Tensor]]:
     """The step's one host read: whether a ``"raise"`` gradient or parameter is not finite, or a root failed.
 
@@ -401,7 +402,9 @@ def read_step_faults(
     all-reduces, as itself and negated: the ranks' digests differ where the minima of the two do not
     cancel (``None``: no replicated matrix, nothing rides). Returns the checks with their agreed flags,
     whether a fault was found (the ranks' digests differing is one), and that difference as a flag
-    (``None`` where it was not reduced).
+    (``None`` where it was not reduced). The pending flags of the replicated (not ``DTensor``) parameters of
+    ``param_groups`` ride too, one slot per such parameter whether or not it has a flag here, so that every
+    rank sends a vector of one length (ranks may differ in which parameters have a gradient).
     """
     if not owner_groups:
         pending, _ = _agree_across_shards(checks.pending)
@@ -414,7 +417,22 @@ def read_step_faults(
     riding = (~failed_here).to(torch.int32).reshape(1)
     if digest is not None:  # a host-to-device copy of two numbers, under DDP only
         riding = torch.cat([riding, torch.tensor([digest, -digest], dtype=torch.int32, device=device)])
+    # The flags of replicated (not DTensor) parameters ride too: under DDP a gradient changed on one rank
+    # after the all-reduce (a hook) made that rank alone raise, and the others failed in line 9's collectives.
+    slots = [(gi, i) for gi, group in enumerate(param_groups) for i, p in enumerate(group["params"])
+             if not is_dtensor(p)]
+    flagged = {(gi, i): k for k, (gi, i, *_) in enumerate(checks.pending)}
+    first_flag = len(riding)
+    if slots:
+        finite = torch.ones((), dtype=torch.int32, device=device)  # a slot without a flag here
+        riding = torch.cat([riding, torch.stack([
+            checks.pending[flagged[slot]][3].to(device) if slot in flagged else finite for slot in slots
+        ])])
     pending, reduced = _agree_across_shards(checks.pending, (owner_groups, riding))
+    for j, slot in enumerate(slots):
+        if slot in flagged:
+            k = flagged[slot]
+            pending[k] = (*pending[k][:3], reduced[first_flag + j])
     checks = checks._replace(pending=pending)
     digests_differ = None if digest is None else reduced[1] + reduced[2] != 0  # min(d) != max(d) over the ranks
     faults = [reduced[0] == 0] + ([] if digests_differ is None else [digests_differ])
@@ -467,7 +485,7 @@ class GradientChecks(NamedTuple):
         return [finite == 0 for *_, finite in self.pending]
 
 
-def check_grads(param_groups: list) -> GradientChecks:
+def check_grads(param_groups: list, process_group: Any = None) -> GradientChecks:
     """Every gradient is checked before any parameter or state changes.
 
     Layout, dtype and shape are checked here; NaN and infinity per the groups'
@@ -506,7 +524,34 @@ def check_grads(param_groups: list) -> GradientChecks:
     raising = [c for c, rule in zip(checks, policy) if rule == "raise"]  # agreed at the read (read_step_faults)
     if skipping:
         skipping, _ = _agree_across_shards(skipping)
+    if process_group is not None:
+        skipping = _agree_across_replicas(param_groups, skipping, process_group)
     return GradientChecks(_decide(param_groups, skipping) if skipping else set(), raising)
+
+
+def _agree_across_replicas(param_groups: list, checks: list, process_group: Any) -> list:
+    """``"skip"`` flags of the replicated (not ``DTensor``) parameters, reduced (minimum) over DDP's
+    ``process_group``: a gradient changed on one rank after DDP's all-reduce (a hook) made that rank alone
+    skip the matrix, and line 9's broadcasts then paired other matrices up, parting the replicas without a
+    word. One all-reduce, one int32 per such parameter of a ``"skip"`` group whether or not it has a flag
+    here (every rank sends one length); none without such parameters."""
+    slots = [(gi, i, p) for gi, group in enumerate(param_groups)
+             if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "skip"
+             for i, p in enumerate(group["params"]) if not is_dtensor(p)]
+    if not slots:
+        return checks
+    device = local_device(slots[0][2])
+    flagged = {(gi, i): k for k, (gi, i, *_) in enumerate(checks)}
+    finite = torch.ones((), dtype=torch.int32, device=device)  # a slot without a flag here
+    flags = torch.stack([checks[flagged[(gi, i)]][3].to(device) if (gi, i) in flagged else finite
+                         for gi, i, _ in slots])
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=process_group)
+    checks = list(checks)
+    for (gi, i, _), flag in zip(slots, flags):
+        if (gi, i) in flagged:
+            k = flagged[(gi, i)]
+            checks[k] = (*checks[k][:3], flag)
+    return checks
 
 
 def raise_nonfinite(param_groups: list, checks: GradientChecks) -> None:
@@ -555,10 +600,11 @@ def _decide(param_groups: list, checks: list) -> set:
         if bool(torch.isfinite(g).all()):  # the gradient is fine: the parameter itself is damaged
             local = local_tensor(p.detach())
             nan, inf = int(torch.isnan(local).sum()), int(torch.isinf(local).sum())
-            if is_dtensor(p) and nan == inf == 0:  # the flag was reduced over the shard group
+            if nan == inf == 0:  # the flag was reduced over the ranks (the shard group, or DDP's replicas)
+                where, both = ("shard", "shards") if is_dtensor(p) else ("copy", "copies")
                 raise ValueError(
                     f"the gradient of {label}, or the parameter itself, has a NaN or an infinity in another "
-                    "rank's shard (this rank's shards of both are finite; that rank's error says which); FISMO "
+                    f"rank's {where} (this rank's {both} of both are finite; that rank's error says which); FISMO "
                     "took no step: every parameter, every state and every step count is as it was"
                 )
             raise ValueError(

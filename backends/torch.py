@@ -461,7 +461,7 @@ class FISMO(Optimizer):
             self._static_shapes()
         check_group_settings(self.param_groups)
         check_states_fit(self.param_groups, self.state)
-        checks = check_grads(self.param_groups)
+        checks = check_grads(self.param_groups, self.process_group)
         for group in self.param_groups:  # a block_size that splits a state otherwise: refused by that name first
             if group["algorithm"] == "fismo":
                 self._core_for(group)
@@ -491,7 +491,7 @@ class FISMO(Optimizer):
         # only where every rank steps the same matrices.
         digest = gradient_digest(self.param_groups, placements) if agree else None
         checks, found, digests_differ = read_step_faults(
-            checks, [f for call in calls for f in call.result.faults], agree, digest
+            checks, [f for call in calls for f in call.result.faults], agree, digest, self.param_groups
         )
         if found:
             if digests_differ is not None and bool(digests_differ):  # the same decision on every rank

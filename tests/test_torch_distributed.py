@@ -241,6 +241,34 @@ def _run_nan_in_one_shard(rank: int, X, Y) -> dict:
     return {"error": error, "changed": changed}
 
 
+def _run_nan_on_one_replica(rank: int, X, Y) -> dict:
+    """DDP: a NaN written into rank 1's gradient after DDP's all-reduce (a hook that runs on one rank).
+    Under ``nonfinite="raise"``, what each rank's error says and whether anything changed; under ``"skip"``,
+    the parameters after the step and two more (the replicas must stay equal)."""
+    out = {}
+    for policy in ("raise", "skip"):
+        model = _model()
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = _optimizer(model, process_group=dist.group.WORLD, nonfinite=policy)
+        _train(net, opt, X, Y, range(1))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(X), Y).backward()
+        if rank == 1:
+            list(model.parameters())[2].grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+        if policy == "skip":
+            _train(net, opt, X, Y, range(1, 3))
+        out[policy] = {"error": error, "changed": changed, "states": sum(1 for s in opt.state.values() if s),
+                       "params": [p.detach().clone() for p in model.parameters()]}
+    return out
+
+
 def _run_root_failure(rank: int, X, Y, mode: str) -> dict:
     """``gamma = 0``, ``mu = 1e-30``, ``max_failures = 0`` on the first matrix (16, 12): its ``P_t`` (16 x 16, rank
     12) fails its check in float64 too, on its owner alone. Every rank must raise ``InverseRootError``
@@ -428,6 +456,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         X, Y = X.chunk(WORLD)[rank], Y.chunk(WORLD)[rank]  # each rank its half of the batch
         results = {"ddp": _run_ddp(rank, X, Y), "fsdp2": _run_fsdp2(rank, X, Y),
                    "nan in one shard": _run_nan_in_one_shard(rank, X, Y),
+                   "nan on one replica": _run_nan_on_one_replica(rank, X, Y),
                    "ddp, unused on one rank": _run_ddp_unused_on_one_rank(rank, X, Y),
                    **{f"{mode}, failed root": _run_root_failure(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "block size changed": _run_block_size_changed(rank, X, Y),
@@ -530,6 +559,27 @@ def test_a_nan_in_one_shard_is_refused_on_every_rank_with_what_each_rank_knows(r
     assert "has a NaN or an infinity in another rank's shard" in first["error"]
     assert "damaged" not in first["error"]
     assert "contains 1 NaN and 0 infinite values (of 128 entries on this rank)" in second["error"]
+
+
+def test_a_nan_on_one_ddp_replica_is_refused_on_every_rank(runs):
+    """Under DDP the finiteness flags were not reduced: the rank with the NaN raised alone and the other
+    went into line 9's broadcasts ("Connection closed by peer"; a user's hunt, 2026-12-02). They ride in
+    the step's all-reduce now: every rank refuses, nothing changed, each saying what it knows."""
+    first, second = (r["nan on one replica"]["raise"] for r in runs)
+    assert not any(first["changed"]) and not any(second["changed"]) and first["states"] == second["states"]
+    assert "has a NaN or an infinity in another rank's copy" in first["error"], first
+    assert "contains 1 NaN and 0 infinite values (of 256 entries);" in second["error"], second
+
+
+def test_a_nan_on_one_ddp_replica_is_skipped_on_every_rank(runs):
+    """Under ``"skip"`` the rank with the NaN alone skipped the matrix: line 9's broadcasts then paired
+    other matrices up and the replicas parted without a word (3.16 apart after one step; a user's hunt,
+    2026-12-02). The skip flags are reduced over DDP's group now: every rank skips it (and only it), and
+    the replicas stay equal bit for bit through the next steps."""
+    first, second = (r["nan on one replica"]["skip"] for r in runs)
+    assert first["error"] is None and second["error"] is None
+    assert first["changed"] == second["changed"] and first["changed"][2] is False and sum(first["changed"]) > 1
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
