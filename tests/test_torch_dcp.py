@@ -1,9 +1,10 @@
 """``torch.distributed.checkpoint`` at any world size, and every sharded layout: gloo, CPU, float64.
 
+This process first trains to ``RESUME_AT`` and saves with ``dcp.save`` without torch.distributed.
 Three spawns share one checkpoint directory:
 
-1. 2 ranks: FSDP2 and DDP train to ``RESUME_AT`` and save with
-   ``get_state_dict`` + ``dcp.save``;
+1. 2 ranks: FSDP2 and DDP resume that checkpoint (1 -> 2) and finish; both
+   train to ``RESUME_AT`` and save with ``get_state_dict`` + ``dcp.save``;
 2. 4 ranks: both resume from the 2-rank checkpoints (2 -> 4) and finish; both
    also train to ``RESUME_AT`` and save (for 4 -> 2); HSDP on a 2 x 2 mesh,
    FSDP2 with ``Shard(1)`` and tensor parallelism run uninterrupted;
@@ -17,6 +18,7 @@ the whole batch (`_single_process`).
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -126,6 +128,19 @@ def _first(rank: int, world: int, ckpt: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     X, Y = _batch(rank, world)
+    out = {}
+    # 1 -> 2: the checkpoint this process saved before the spawns, without torch.distributed (`runs`).
+    model = _fsdp2(init_device_mesh("cpu", (world,)))
+    opt = _optimizer(model)
+    _load(model, opt, ckpt / "one-process")
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    out["fsdp2 1->2"] = _params(model)
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _load(net, opt, ckpt / "one-process")
+    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
+    out["ddp 1->2"] = _params(model)
+
     model = _fsdp2(init_device_mesh("cpu", (world,)))
     opt = _optimizer(model)
     _train(model, opt, X, Y, range(RESUME_AT))
@@ -137,7 +152,7 @@ def _first(rank: int, world: int, ckpt: Path) -> dict:
     _train(net, opt, X, Y, range(RESUME_AT))
     _save(net, opt, ckpt / "ddp-2")
     _save(net, opt, ckpt / "ddp-2-flat", flatten=True)
-    return {}
+    return out
 
 
 def _second(rank: int, world: int, ckpt: Path) -> dict:
@@ -240,10 +255,17 @@ def _spawn(tmp: Path, world: int, phase: str) -> list[dict]:
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("dcp")
     (tmp / "ckpt").mkdir()
-    _spawn(tmp, 2, "first")
+    model = _model()  # the 1 -> 2 checkpoint: dcp.save in a process without torch.distributed
+    opt = _optimizer(model)
+    X, Y = _data()
+    _train(model, opt, X, Y, range(RESUME_AT))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # DCP: "single process"
+        _save(model, opt, tmp / "ckpt" / "one-process")
+    first = _spawn(tmp, 2, "first")
     second = _spawn(tmp, 4, "second")
     third = _spawn(tmp, 2, "third")
-    return {"tmp": tmp, "second": second, "third": third}
+    return {"tmp": tmp, "first": first, "second": second, "third": third}
 
 
 def _worst(params: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -263,6 +285,14 @@ def test_four_ranks_equal_the_single_process_run(runs, single_process, run):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+    assert _worst(results[0], single_process) <= TOL
+
+
+@pytest.mark.parametrize("run", ["fsdp2 1->2", "ddp 1->2"])
+def test_one_process_to_two_ranks(runs, single_process, run):
+    """A checkpoint saved with ``dcp.save`` in a process without torch.distributed resumes on 2 ranks."""
+    results = [r[run] for r in runs["first"]]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
     assert _worst(results[0], single_process) <= TOL
 
 
