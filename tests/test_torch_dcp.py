@@ -124,22 +124,30 @@ def _batch(rank: int, world: int):
 
 
 # ----------------------------------------------------------------- spawns
+def _resumed(world: int, X, Y, fsdp2: Path, ddp: Path, flatten: bool = False) -> tuple[list, list]:
+    """An FSDP2 model resumed from the checkpoint ``fsdp2`` and a DDP one from ``ddp``, each trained to
+    ``STEPS``: their parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _fsdp2(init_device_mesh("cpu", (world,)))
+    opt = _optimizer(model)
+    _load(model, opt, fsdp2, flatten)
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    fsdp2_params = _params(model)
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _load(net, opt, ddp, flatten)
+    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
+    return fsdp2_params, _params(model)
+
+
 def _first(rank: int, world: int, ckpt: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     X, Y = _batch(rank, world)
     out = {}
     # 1 -> 2: the checkpoint this process saved before the spawns, without torch.distributed (`runs`).
-    model = _fsdp2(init_device_mesh("cpu", (world,)))
-    opt = _optimizer(model)
-    _load(model, opt, ckpt / "one-process")
-    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
-    out["fsdp2 1->2"] = _params(model)
-    model, net = _ddp()
-    opt = _optimizer(model, process_group=dist.group.WORLD)
-    _load(net, opt, ckpt / "one-process")
-    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
-    out["ddp 1->2"] = _params(model)
+    out["fsdp2 1->2"], out["ddp 1->2"] = _resumed(world, X, Y, ckpt / "one-process", ckpt / "one-process")
 
     model = _fsdp2(init_device_mesh("cpu", (world,)))
     opt = _optimizer(model)
@@ -161,29 +169,11 @@ def _second(rank: int, world: int, ckpt: Path) -> dict:
     X, Y = _batch(rank, world)
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    model = _fsdp2(mesh)
-    opt = _optimizer(model)
-    _load(model, opt, ckpt / "fsdp2-2")
-    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
-    out["fsdp2 2->4"] = _params(model)
-
-    model, net = _ddp()
-    opt = _optimizer(model, process_group=dist.group.WORLD)
-    _load(net, opt, ckpt / "ddp-2")
-    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
-    out["ddp 2->4"] = _params(model)
-
+    out["fsdp2 2->4"], out["ddp 2->4"] = _resumed(world, X, Y, ckpt / "fsdp2-2", ckpt / "ddp-2")
     # torchtitan's flattened state dicts: torch rebuilds each parameter's state from the live one's keys.
-    model = _fsdp2(mesh)
-    opt = _optimizer(model)
-    _load(model, opt, ckpt / "fsdp2-2-flat", flatten=True)
-    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
-    out["fsdp2 2->4, flattened"] = _params(model)
-    model, net = _ddp()
-    opt = _optimizer(model, process_group=dist.group.WORLD)
-    _load(net, opt, ckpt / "ddp-2-flat", flatten=True)
-    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
-    out["ddp 2->4, flattened"] = _params(model)
+    out["fsdp2 2->4, flattened"], out["ddp 2->4, flattened"] = _resumed(
+        world, X, Y, ckpt / "fsdp2-2-flat", ckpt / "ddp-2-flat", flatten=True
+    )
 
     model = _fsdp2(mesh)
     opt = _optimizer(model)
@@ -216,19 +206,9 @@ def _second(rank: int, world: int, ckpt: Path) -> dict:
 
 
 def _third(rank: int, world: int, ckpt: Path) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
     X, Y = _batch(rank, world)
-    model = _fsdp2(init_device_mesh("cpu", (world,)))
-    opt = _optimizer(model)
-    _load(model, opt, ckpt / "fsdp2-4")
-    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
-    out = {"fsdp2 4->2": _params(model)}
-    model, net = _ddp()
-    opt = _optimizer(model, process_group=dist.group.WORLD)
-    _load(net, opt, ckpt / "ddp-4")
-    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
-    out["ddp 4->2"] = _params(model)
+    out = {}
+    out["fsdp2 4->2"], out["ddp 4->2"] = _resumed(world, X, Y, ckpt / "fsdp2-4", ckpt / "ddp-4")
     return out
 
 
