@@ -536,8 +536,8 @@ def plain_numbers(group: dict) -> dict:
     The step stores them so (`check_group_settings`, `core_key`); one written after the last step (a
     schedule computed with NumPy) would reach a ``state_dict`` that ``torch.load(weights_only=True)``
     refuses. Only for ``state_dict``'s copies of the groups: the live group is the step's to check."""
+    numpy = sys.modules.get("numpy")  # present whenever a key is found
     for key in numpy_scalar_keys(group):
-        numpy = sys.modules["numpy"]
         value = group[key]
         group[key] = (tuple(v.item() if isinstance(v, numpy.generic) else v for v in value)
                       if isinstance(value, tuple) else value.item())

@@ -419,21 +419,12 @@ def read_step_faults(
         riding = torch.cat([riding, torch.tensor([digest, -digest], dtype=torch.int32, device=device)])
     # The flags of replicated (not DTensor) parameters ride too: under DDP a gradient changed on one rank
     # after the all-reduce (a hook) made that rank alone raise, and the others failed in line 9's collectives.
-    slots = [(gi, i) for gi, group in enumerate(param_groups) for i, p in enumerate(group["params"])
-             if not is_dtensor(p)]
-    flagged = {(gi, i): k for k, (gi, i, *_) in enumerate(checks.pending)}
     first_flag = len(riding)
+    slots, flags = _replica_flags(param_groups, checks.pending, device)
     if slots:
-        finite = torch.ones((), dtype=torch.int32, device=device)  # a slot without a flag here
-        riding = torch.cat([riding, torch.stack([
-            checks.pending[flagged[slot]][3].to(device) if slot in flagged else finite for slot in slots
-        ])])
+        riding = torch.cat([riding, flags])
     pending, reduced = _agree_across_shards(checks.pending, (owner_groups, riding))
-    for j, slot in enumerate(slots):
-        if slot in flagged:
-            k = flagged[slot]
-            pending[k] = (*pending[k][:3], reduced[first_flag + j])
-    checks = checks._replace(pending=pending)
+    checks = checks._replace(pending=_with_flags(pending, slots, reduced[first_flag:]))
     digests_differ = None if digest is None else reduced[1] + reduced[2] != 0  # min(d) != max(d) over the ranks
     faults = [reduced[0] == 0] + ([] if digests_differ is None else [digests_differ])
     return checks, bool(_guards.read_faults(*checks.faults(), *faults)), digests_differ
@@ -535,21 +526,35 @@ def _agree_across_replicas(param_groups: list, checks: list, process_group: Any)
     skip the matrix, and line 9's broadcasts then paired other matrices up, parting the replicas without a
     word. One all-reduce, one int32 per such parameter of a ``"skip"`` group whether or not it has a flag
     here (every rank sends one length); none without such parameters."""
-    slots = [(gi, i, p) for gi, group in enumerate(param_groups)
-             if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "skip"
+    skip_groups = [group if group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "skip" else {"params": []}
+                   for group in param_groups]  # placeholders keep the group indices
+    first = next((p for group in skip_groups for p in group["params"] if not is_dtensor(p)), None)
+    if first is None:
+        return checks
+    slots, flags = _replica_flags(skip_groups, checks, local_device(first))
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=process_group)
+    return _with_flags(checks, slots, flags)
+
+
+def _replica_flags(param_groups: list, checks: list, device: Any) -> tuple[list, Optional[torch.Tensor]]:
+    """One int32 slot per replicated (not ``DTensor``) parameter of ``param_groups``, in order: its flag among
+    ``checks`` where it has one here, else 1 (finite), so every rank sends a vector of one length (ranks may
+    differ in which parameters have a gradient). Returns the slots' ``checks`` indices (``None``: no flag
+    here) and the vector (``None`` without slots)."""
+    flagged = {(gi, i): k for k, (gi, i, *_) in enumerate(checks)}
+    slots = [flagged.get((gi, i)) for gi, group in enumerate(param_groups)
              for i, p in enumerate(group["params"]) if not is_dtensor(p)]
     if not slots:
-        return checks
-    device = local_device(slots[0][2])
-    flagged = {(gi, i): k for k, (gi, i, *_) in enumerate(checks)}
-    finite = torch.ones((), dtype=torch.int32, device=device)  # a slot without a flag here
-    flags = torch.stack([checks[flagged[(gi, i)]][3].to(device) if (gi, i) in flagged else finite
-                         for gi, i, _ in slots])
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=process_group)
+        return slots, None
+    finite = torch.ones((), dtype=torch.int32, device=device)
+    return slots, torch.stack([finite if k is None else checks[k][3].to(device) for k in slots])
+
+
+def _with_flags(checks: list, slots: list, reduced: torch.Tensor) -> list:
+    """``checks`` with the flags of `_replica_flags`' slots replaced by their reduced values."""
     checks = list(checks)
-    for (gi, i, _), flag in zip(slots, flags):
-        if (gi, i) in flagged:
-            k = flagged[(gi, i)]
+    for k, flag in zip(slots, reduced):
+        if k is not None:
             checks[k] = (*checks[k][:3], flag)
     return checks
 
