@@ -111,10 +111,10 @@ def init_matrix_state(core: _CoreFISMO, state: dict, G: torch.Tensor, dtype: tor
 
     Also adds the counters to a state from before they existed, and converts an existing state to the
     state dtype of ``dtype`` when the parameter's dtype changed since it was made. Returns ``state``. ``name`` names the
-    parameter in the core's warning about factors far larger than the matrix (given once, at creation).
+    parameter in the core's errors; the factors' size was checked on every rank before (`FISMO._check_new_matrices`).
     """
     if not state:
-        init = core.init(torch.empty(G.shape, dtype=dtype, device=G.device), name=name)
+        init = core.init(torch.empty(G.shape, dtype=dtype, device=G.device), name=name, check_size=False)
         state["step"] = new_step_count()
         left, right = core.structures(*G.shape[-2:])
         # The core returns the roots as arrays of their own, so in-place updates never alias P.
@@ -455,11 +455,17 @@ def gradient_digest(param_groups: list, placements: dict) -> Optional[int]:
     return digest if replicated else None
 
 
-def refused_anywhere(owner_groups: list, refused_here: bool) -> bool:
-    """Whether a rank of ``owner_groups`` refused the step (after `read_step_faults` found a fault): the same
-    all-reduces, over the same groups, of whether every rank went on. The error path only."""
-    _, went_on = _agree_across_shards([], (owner_groups, torch.tensor(int(not refused_here), dtype=torch.int32)))
-    return not bool(went_on)
+#: What a rank did with a step after `read_step_faults` found a fault, as `agreed_refusal` reduces it (minimum):
+#: refused with an `InverseRootError`, refused with another error, or went on.
+REFUSED_BY_A_ROOT, REFUSED, WENT_ON = 0, 1, 2
+
+
+def agreed_refusal(owner_groups: list, here: int) -> int:
+    """The minimum over the ranks of ``owner_groups`` of what each did with the step (``REFUSED_BY_A_ROOT``,
+    ``REFUSED``, ``WENT_ON``), by the same all-reduces, over the same groups, as `read_step_faults`: the
+    ranks that went on learn that another refused. The error path only."""
+    _, reduced = _agree_across_shards([], (owner_groups, torch.tensor(here, dtype=torch.int32)))
+    return int(reduced)
 
 
 class GradientChecks(NamedTuple):

@@ -70,7 +70,11 @@ from ._torch_compile import TracedRootSchedule, through_dynamo, warn_of_numpy_sc
 from ._torch_precision import bfloat16_is_native, onednn_isa_limit, training_precision
 from ._torch_state import (
     COUNTER_KEYS,
+    REFUSED,
+    REFUSED_BY_A_ROOT,
     STATE_KEYS,
+    WENT_ON,
+    agreed_refusal,
     check_grads,
     check_saved_state,
     complete_loaded_state,
@@ -82,7 +86,6 @@ from ._torch_state import (
     pack,
     raise_nonfinite,
     read_step_faults,
-    refused_anywhere,
     restore_saved_state,
     unpack,
 )
@@ -484,9 +487,13 @@ class FISMO(Optimizer):
         # The step's one host read: every gradient's finiteness ("raise") and every core call's root checks.
         calls = [call for plan in plans.values() for call in plan.calls]
         # A root is checked on its owner alone: where ranks own matrices, its failure is agreed over the
-        # owner groups, in the all-reduces of the gradients' flags (only where roots are checked).
-        agree = [] if not any(_guards.checks_roots(plan.core.inv_root, plan.core.nonfinite)
-                              for plan in plans.values()) else _dist.owner_groups(placements)
+        # owner groups, in the all-reduces of the gradients' flags. They run wherever the step reads
+        # anything (a root's check, a "raise" or "skip" group's flags), so that a flag set on one rank
+        # alone is every rank's decision; a sync-free step (every group "propagate", roots unchecked)
+        # runs none.
+        reads = any(group.get("nonfinite", CORE_DEFAULTS.nonfinite) != "propagate" for group in self.param_groups)
+        agree = _dist.owner_groups(placements) if reads or any(
+            _guards.checks_roots(plan.core.inv_root, plan.core.nonfinite) for plan in plans.values()) else []
         # Under DDP a digest of which matrices have a gradient rides along: the owners' broadcasts pair up
         # only where every rank steps the same matrices.
         digest = gradient_digest(self.param_groups, placements) if agree else None
@@ -500,16 +507,23 @@ class FISMO(Optimizer):
             refused = None
             try:
                 self._settle(checks, plans)
-            except InverseRootError as exc:
+            except Exception as exc:  # on a root's owner alone: InverseRootError, or its warning made an error
                 refused = exc
-            except Exception:  # the gradients' flags: the same on every rank
-                self._forget(created)
-                raise
-            if agree and refused_anywhere(agree, refused is not None) and refused is None:
-                refused = InverseRootError(
-                    "FISMO: an inverse root failed beyond InverseRootConfig.max_failures on another rank, which "
-                    "owns the matrix and names it in its own InverseRootError; no rank took the step", ()
-                )
+            if agree:
+                here = (WENT_ON if refused is None else
+                        REFUSED_BY_A_ROOT if isinstance(refused, InverseRootError) else REFUSED)
+                anywhere = agreed_refusal(agree, here)
+                if refused is None and anywhere == REFUSED_BY_A_ROOT:
+                    refused = InverseRootError(
+                        "FISMO: an inverse root failed beyond InverseRootConfig.max_failures on another rank, "
+                        "which owns the matrix and names it in its own InverseRootError; no rank took the step", ()
+                    )
+                elif refused is None and anywhere == REFUSED:
+                    refused = RuntimeError(
+                        "FISMO: the step raised on another rank, which says why in its own error (an "
+                        "InverseRootWarning turned into an error by a warnings filter, on the rank that owns "
+                        "the matrix, is one way); no rank took the step"
+                    )
             if refused is not None:
                 self._forget(created)
                 raise refused
@@ -590,7 +604,7 @@ class FISMO(Optimizer):
             new = {id(g): self._stateless(g) for g in self.param_groups}
             for g in self.param_groups:
                 if g["algorithm"] == "fismo":
-                    self._check_new_matrices(new[id(g)])
+                    self._check_new_matrices(new[id(g)], cores[id(g)].block_size)
         except (TypeError, ValueError) as exc:
             raise through_dynamo(exc) from exc
         for group in self.param_groups:
@@ -742,7 +756,7 @@ class FISMO(Optimizer):
         core = self._core_for(group)
         plan = _GroupStep(group, core)
         if not torch.compiler.is_compiling():  # compiled, _init_group checked the local ones at trace time
-            self._check_new_matrices(self._stateless(group))
+            self._check_new_matrices(self._stateless(group), core.block_size)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -848,13 +862,18 @@ class FISMO(Optimizer):
         """The parameters of ``group`` that have a gradient and no state yet: this step creates theirs."""
         return [p for p in group["params"] if p.grad is not None and not self.state.get(p)]
 
-    def _check_new_matrices(self, params: list) -> None:
-        """FISMO parameters about to get a state, checked as `add_param_group` checks them.
+    def _check_new_matrices(self, params: list, block_size: Optional[int]) -> None:
+        """FISMO parameters about to get a state, checked as `add_param_group` checks them, and the size of
+        their factors (`FactorSizeWarning`).
 
         A tensor appended to a group's ``params`` list skipped that check; unchecked, a
-        vector or a self-overlapping tensor raised deep in the step without its name."""
+        vector or a self-overlapping tensor raised deep in the step without its name. The size
+        is checked here, on every rank and before any collective, not by the core on the matrix's
+        owner: a warning turned into an error (``-W error``) stopped the owner alone, and the other
+        ranks failed in the collectives."""
         for p in params:
             validate_matrix_param(p, self._label(p, shape=False))  # its messages state the shape
+            _guards.check_factor_size(*_fismo.matrix_shape(p.shape), block_size, self._label(p))
 
     def _label(self, p: torch.Tensor, *, shape: bool = True) -> str:
         """How error messages name parameter ``p`` (`param_name`)."""
@@ -866,7 +885,7 @@ class FISMO(Optimizer):
 
     def _matrix_state(self, core: _CoreFISMO, p: torch.Tensor, G: torch.Tensor) -> dict:
         state = self.state[p]
-        # The label (a scan of the groups) only when the state is created: the core then checks the factor size.
+        # The label (a scan of the groups) only when the state is created: the core's errors name the parameter.
         return init_matrix_state(core, state, G, p.dtype, name="W" if state else self._label(p))
 
 

@@ -816,7 +816,7 @@ class FISMO:
         return cls(**training_options(TRAINING, overrides))
 
     # ------------------------------------------------------------------ init
-    def init(self, W: Array, *, name: str = "W") -> FISMOState:
+    def init(self, W: Array, *, name: str = "W", check_size: bool = True) -> FISMOState:
         """Initial state for parameters ``W`` ``(..., m, n)``: ``P_0 = I``, ``Q_0 = I``, ``M_0 = 0``.
 
         The state's dtype is ``W``'s if it is float32 or float64, float32 for
@@ -832,14 +832,18 @@ class FISMO:
         [`check_factor_size`][fismo_core.guards.check_factor_size]'s);
         ``name`` is how it names ``W`` in this warning and in the errors for a
         ``W`` that is not a real floating, non-empty stack of matrices (the
-        adapters pass the parameter's name).
+        adapters pass the parameter's name). ``check_size=False``: no such
+        warning here, for an adapter that checks every new matrix itself
+        (the torch adapter, on every rank of a distributed step: a warning
+        turned into an error must stop every rank, not the owner alone).
         """
         xp = guards.check_matrix(W, name)
         dtype = state_dtype(xp, W.dtype)
         *batch, m, n = W.shape
         if math.prod(W.shape) == 0:  # lines 4-5 would reduce over nothing: no statistics, no step
             raise ValueError(f"{name} has shape {tuple(W.shape)}, with no entries: FISMO steps non-empty matrices only")
-        guards.check_factor_size(m, n, self.block_size, name)
+        if check_size:
+            guards.check_factor_size(m, n, self.block_size, name)
         dev = _creation_device(W)
         left, right = self.structures(m, n)
         P = left.identity(xp, tuple(batch), dtype, dev)

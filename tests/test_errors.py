@@ -523,6 +523,18 @@ def test_a_thin_matrix_warns_once_naming_block_size(shape: tuple[int, int]) -> N
     assert warning.filename == __file__  # it points at the user's call
 
 
+def test_init_leaves_the_size_to_an_adapter_that_checks_it_itself() -> None:
+    """``check_size=False``: no warning from ``init`` (the torch adapter checks every new matrix on every rank
+    before its collectives, so that a warning made an error stops every rank); the state is the same."""
+    W = np.zeros((1, 2000), dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FactorSizeWarning)
+        quiet = FISMO(gamma=1.0).init(W, check_size=False)
+    with pytest.warns(FactorSizeWarning):
+        checked = FISMO(gamma=1.0).init(W)
+    assert all(np.array_equal(a, b) for a, b in zip(quiet, checked))
+
+
 def test_a_warning_raised_under_the_demo_points_at_the_demo() -> None:
     """The demo (``fismo_core/demo/``) is the optimizer's user: its warnings point at its training loop.
 

@@ -244,12 +244,17 @@ def _run_nan_in_one_shard(rank: int, X, Y) -> dict:
 def _run_nan_on_one_replica(rank: int, X, Y) -> dict:
     """DDP: a NaN written into rank 1's gradient after DDP's all-reduce (a hook that runs on one rank).
     Under ``nonfinite="raise"``, what each rank's error says and whether anything changed; under ``"skip"``,
-    the parameters after the step and two more (the replicas must stay equal)."""
+    the parameters after the step and two more (the replicas must stay equal). ``", roots unchecked"``:
+    the same with ``InverseRootConfig(fallback=False)``, where no root's check is agreed over the ranks."""
+    from fismo_core.backends.torch import InverseRootConfig
+
     out = {}
-    for policy in ("raise", "skip"):
+    for case in ("raise", "skip", "raise, roots unchecked", "skip, roots unchecked"):
+        policy, unchecked = case.split(",")[0], case.endswith("unchecked")
         model = _model()
         net = torch.nn.parallel.DistributedDataParallel(model)
-        opt = _optimizer(model, process_group=dist.group.WORLD, nonfinite=policy)
+        opt = _optimizer(model, process_group=dist.group.WORLD, nonfinite=policy,
+                         **({"inv_root": InverseRootConfig(fallback=False)} if unchecked else {}))
         _train(net, opt, X, Y, range(1))
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(X), Y).backward()
@@ -264,7 +269,7 @@ def _run_nan_on_one_replica(rank: int, X, Y) -> dict:
         changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
         if policy == "skip":
             _train(net, opt, X, Y, range(1, 3))
-        out[policy] = {"error": error, "changed": changed, "states": sum(1 for s in opt.state.values() if s),
+        out[case] = {"error": error, "changed": changed, "states": sum(1 for s in opt.state.values() if s),
                        "params": [p.detach().clone() for p in model.parameters()]}
     return out
 
@@ -307,6 +312,43 @@ def _run_root_failure(rank: int, X, Y, mode: str) -> dict:
             "states": len(opt.state)}
 
 
+def _run_warnings_made_errors(rank: int, X, Y) -> dict:
+    """DDP, with warnings turned into errors (``-W error``, or pytest's ``filterwarnings = error``): the
+    `FactorSizeWarning` of a thin (1, 1100) matrix at its first step, and the `InverseRootWarning` of a
+    repaired root (the first matrix of `_run_root_failure`, with ``max_failures = 1``). Both were issued on
+    the matrix's owner alone, which raised while the other rank went on into the collectives. What each
+    rank raised (its type and message), whether anything changed, and how many states it kept."""
+    import warnings
+
+    from fismo_core.backends.torch import FISMO
+    from fismo_core.guards import FactorSizeWarning, InverseRootWarning
+
+    out = {}
+    for case in ("factor size", "repaired root"):
+        model = _model()
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        weights = [p for p in model.parameters() if p.ndim == 2]
+        biases = [p for p in model.parameters() if p.ndim == 1]
+        thin = torch.nn.Parameter(torch.ones(1, 1100, dtype=torch.float64))
+        groups = ([{"params": weights + [thin]}] if case == "factor size" else
+                  [{"params": weights[:1], "gamma": 0.0, "mu": 1e-30, "inv_root": {"max_failures": 1}},
+                   {"params": weights[1:]}])
+        opt = FISMO(groups + [{"params": biases, "algorithm": "adamw"}], lr=LR, process_group=dist.group.WORLD)
+        torch.nn.functional.mse_loss(net(X), Y).backward()
+        thin.grad = torch.ones_like(thin)
+        before = [p.detach().clone() for p in model.parameters()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FactorSizeWarning if case == "factor size" else InverseRootWarning)
+            try:
+                opt.step()
+                error = None
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        out[case] = {"error": error, "owns": _owns(opt, weights[0]), "states": len(opt.state),
+                     "changed": any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))}
+    return out
+
+
 def _run_block_size_changed(rank: int, X, Y) -> dict:
     """DDP: a group of one matrix (16, 12), owned by one rank, whose ``block_size`` is set to 8 after a step.
     What each rank's next step raised (the owner refused it; the other rank went on into line 9's broadcast)."""
@@ -328,15 +370,15 @@ def _run_block_size_changed(rank: int, X, Y) -> dict:
     return {"error": error, "owns": _owns(opt, weights[0])}
 
 
-def _run_mismatched_grads(rank: int, X, Y) -> dict:
+def _run_mismatched_grads(rank: int, X, Y, **kwargs) -> dict:
     """DDP-style FISMO on two 4 x 4 matrices (one per owner): a normal step, then one where only rank 0 has
     the second matrix's gradient (set by hand). What each rank's second step raised, and whether its
-    parameters and states are those after the first step."""
+    parameters and states are those after the first step. ``kwargs``: more options of `FISMO`."""
     from fismo_core.backends.torch import FISMO
 
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64)) for _ in range(2)]
-    opt = FISMO(weights, lr=LR, process_group=dist.group.WORLD)
+    opt = FISMO(weights, lr=LR, process_group=dist.group.WORLD, **kwargs)
     grads = [torch.randn(4, 4, dtype=torch.float64) for _ in range(2)]
     for w, g in zip(weights, grads):
         w.grad = g.clone()
@@ -463,7 +505,10 @@ def _worker(rank: int, store: str, out: str) -> None:
                    "resized": _run_resized(rank, X, Y),
                    "owners moved": _run_owners_moved(rank, X, Y),
                    **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
-                   "ddp, mismatched gradients": _run_mismatched_grads(rank, X, Y)}
+                   "ddp, mismatched gradients": _run_mismatched_grads(rank, X, Y),
+                   "ddp, mismatched gradients, roots unchecked":
+                       _run_mismatched_grads(rank, X, Y, inv_root={"fallback": False}),
+                   "warnings made errors": _run_warnings_made_errors(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -561,22 +606,26 @@ def test_a_nan_in_one_shard_is_refused_on_every_rank_with_what_each_rank_knows(r
     assert "contains 1 NaN and 0 infinite values (of 128 entries on this rank)" in second["error"]
 
 
-def test_a_nan_on_one_ddp_replica_is_refused_on_every_rank(runs):
+@pytest.mark.parametrize("case", ["raise", "raise, roots unchecked"])
+def test_a_nan_on_one_ddp_replica_is_refused_on_every_rank(runs, case):
     """Under DDP the finiteness flags were not reduced: the rank with the NaN raised alone and the other
     went into line 9's broadcasts ("Connection closed by peer"; a user's hunt, 2026-12-02). They ride in
-    the step's all-reduce now: every rank refuses, nothing changed, each saying what it knows."""
-    first, second = (r["nan on one replica"]["raise"] for r in runs)
+    the step's all-reduce now: every rank refuses, nothing changed, each saying what it knows. With the
+    roots unchecked (``fallback=False``) they rode only from 2026-12-02's afternoon: the all-reduce ran
+    only where a root's check was agreed."""
+    first, second = (r["nan on one replica"][case] for r in runs)
     assert not any(first["changed"]) and not any(second["changed"]) and first["states"] == second["states"]
     assert "has a NaN or an infinity in another rank's copy" in first["error"], first
     assert "contains 1 NaN and 0 infinite values (of 256 entries);" in second["error"], second
 
 
-def test_a_nan_on_one_ddp_replica_is_skipped_on_every_rank(runs):
+@pytest.mark.parametrize("case", ["skip", "skip, roots unchecked"])
+def test_a_nan_on_one_ddp_replica_is_skipped_on_every_rank(runs, case):
     """Under ``"skip"`` the rank with the NaN alone skipped the matrix: line 9's broadcasts then paired
     other matrices up and the replicas parted without a word (3.16 apart after one step; a user's hunt,
     2026-12-02). The skip flags are reduced over DDP's group now: every rank skips it (and only it), and
     the replicas stay equal bit for bit through the next steps."""
-    first, second = (r["nan on one replica"]["skip"] for r in runs)
+    first, second = (r["nan on one replica"][case] for r in runs)
     assert first["error"] is None and second["error"] is None
     assert first["changed"] == second["changed"] and first["changed"][2] is False and sum(first["changed"]) > 1
     assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))
@@ -717,6 +766,31 @@ def test_a_root_failure_on_its_owner_is_refused_on_every_rank(runs, mode):
     assert errors[1].endswith("The failing parameters: parameter 0 of param group 0 (shape (16, 12))"), errors[1]
 
 
+def test_a_thin_matrix_warning_made_an_error_stops_every_rank_before_anything_changes(runs):
+    """``FactorSizeWarning`` under a warnings filter that makes it an error: it was issued by the core on the
+    matrix's owner alone, which raised, and the other rank failed in the collectives (a user's hunt,
+    2026-12-02). Every rank checks every new matrix now, before any collective: all raise it, naming the
+    matrix, with nothing changed and no state created."""
+    results = [run["warnings made errors"]["factor size"] for run in runs]
+    for r in results:
+        assert r["error"] and r["error"].startswith("FactorSizeWarning: FISMO: parameter 5 of param group 0 "
+                                                    "(shape (1, 1100)), a 1x1100 matrix"), r
+        assert not r["changed"] and r["states"] == 0, r
+
+
+def test_a_repaired_root_warning_made_an_error_stops_every_rank_before_anything_changes(runs):
+    """``InverseRootWarning`` (a root repaired, ``max_failures = 1``) made an error: raised on the matrix's
+    owner alone, after the step's agreed read, and the other rank waited in line 9's broadcasts (a user's
+    hunt, 2026-12-02). The owner's refusal is agreed now as an ``InverseRootError`` is: the owner raises the
+    warning, the other a ``RuntimeError`` saying that another rank raised; nothing changed, no state kept."""
+    results = sorted((run["warnings made errors"]["repaired root"] for run in runs), key=lambda r: r["error"] or "")
+    assert [r["error"].split(":")[0] if r["error"] else None for r in results] == [
+        "InverseRootWarning", "RuntimeError"], results
+    assert "the inverse square root of P_t failed for 1 of 1 matrices" in results[0]["error"], results[0]
+    assert "the step raised on another rank" in results[1]["error"], results[1]
+    assert all(not r["changed"] and r["states"] == 0 and not r["owns"] for r in results), results
+
+
 def test_a_changed_block_size_is_refused_on_every_rank(runs):
     """A rank that owned no matrix of the group did not check it and went on into line 9's broadcast, to wait
     for the owner, which had refused the step. The other ranks' placeholders (``meta`` tensors of the owner's
@@ -761,15 +835,17 @@ def test_a_compiled_distributed_step_runs_eagerly_with_the_eager_numbers(runs, m
         assert run["unchanged by fullgraph"], rank
 
 
-def test_ddp_gradients_on_some_ranks_only_are_refused_on_every_rank(runs):
+@pytest.mark.parametrize("case", ["ddp, mismatched gradients", "ddp, mismatched gradients, roots unchecked"])
+def test_ddp_gradients_on_some_ranks_only_are_refused_on_every_rank(runs, case):
     """Under DDP (``process_group``) a matrix with a gradient on rank 0 only (set by hand): every rank raises
     the same error before anything changes, naming on rank 1 the matrix it has no gradient for. The
     detection rides in the step's all-reduce of the roots' flags (default configuration). Before
     2026-12-02 rank 1 stepped its other matrix and returned, and rank 0 waited in the broadcast until gloo
-    said "Connection closed by peer" (``docs/scripts/ddp_mismatched_grads.py``)."""
-    errors = [r["ddp, mismatched gradients"]["error"] for r in runs]
+    said "Connection closed by peer" (``docs/scripts/ddp_mismatched_grads.py``). With the roots unchecked
+    (``fallback=False``) nothing rode until 2026-12-02 (afternoon): the same hang."""
+    errors = [r[case]["error"] for r in runs]
     assert all(e is not None and e.startswith("FISMO: the ranks of the process_group hold gradients for "
                                                "different FISMO matrices") for e in errors), errors
     assert "This rank has a gradient for every matrix" in errors[0], errors[0]
     assert "Without a gradient on this rank: parameter 1 of param group 0 (shape (4, 4))" in errors[1], errors[1]
-    assert all(r["ddp, mismatched gradients"]["unchanged"] for r in runs)
+    assert all(r[case]["unchanged"] for r in runs)
