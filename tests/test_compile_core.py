@@ -175,6 +175,41 @@ def test_inductor_compiles_the_step(dtype: Any) -> None:
     assert np.isfinite(_max_relative_difference(got, want))
 
 
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_inductor_finds_a_nan_and_an_infinity(nonfinite: str) -> None:
+    """Compiled by inductor, the finiteness checks let every NaN and infinity through until 2026-12-02 (a
+    user's hunt): they summed ``X * 0``, which inductor folds to zeros, so ``"raise"`` raised ``eigh``'s
+    ``LinAlgError`` instead of its ``ValueError`` and ``"skip"`` skipped nothing. `guards.all_finite`
+    reads ``max|X|`` now; compiled, it answers as eagerly (an empty array is finite), and the step's
+    flags mark the matrix with the NaN and the one with the infinity, as eagerly, with a finite direction."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from array_api_compat import torch as _xp
+
+    from fismo_core import guards
+
+    X = torch.ones(4, 3, 5, dtype=torch.float64)
+    X[1, 2, 3], X[2, 0, 0] = float("nan"), -float("inf")
+    opt = FISMO(nonfinite=nonfinite)
+    G, state = _inputs(opt)
+    G = torch.cat([G, G])  # four matrices: NaN in the second, infinity in the third
+    G[1, 2, 3], G[2, 0, 0] = float("nan"), float("inf")
+    state = opt.init(torch.zeros_like(G))
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        finite = torch.compile(lambda X: guards.all_finite(_xp, X, axis=(-2, -1)), backend="inductor")
+        assert finite(X).tolist() == [True, False, False, True] == guards.all_finite(_xp, X, axis=(-2, -1)).tolist()
+        assert torch.compile(lambda X: guards.all_finite(_xp, X), backend="inductor")(X[:, :0]).item() is True
+        got = torch.compile(opt.direction_with_faults, backend="inductor")(G, state, refresh_roots=True)
+    want = opt.direction_with_faults(G, state, refresh_roots=True)
+    if nonfinite == "raise":
+        assert got.faults.nonfinite.tolist() == want.faults.nonfinite.tolist() == [False, True, True, False]
+    else:
+        assert got.state.skipped.tolist() == want.state.skipped.tolist() == [0, 1, 1, 0]
+    assert bool(torch.isfinite(got.direction).all())
+    assert _max_relative_difference(got[:2], want[:2]) <= 1e-12  # inductor's rounding: see the test above
+
+
 def test_inductor_parts_from_eager_only_at_reductions_and_sqrt() -> None:
     """docs/torch.md's account of the 29 eps: where inductor's float64 step first differs from the eager one
     (``docs/scripts/inductor_float64_sources.py``, seed 0), every such node is a reduction, summed in another

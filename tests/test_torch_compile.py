@@ -577,6 +577,45 @@ def test_a_compiled_first_step_that_raises_keeps_the_initial_states_it_created()
     assert int(states["compiled"]["step"]) == 0 and not states["compiled"]["M"].any()
 
 
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_inductor_compiled_steps_find_a_nan_gradient(nonfinite):
+    """With inductor (the default backend) a NaN gradient passed the checks until 2026-12-02 (a user's hunt):
+    they summed ``G * 0``, which inductor folds to zeros, so ``"raise"`` raised ``eigh``'s ``LinAlgError``
+    naming no parameter and ``"skip"`` raised it too. Now, as eagerly: ``"raise"`` names the parameter and
+    changes nothing; ``"skip"`` counts the skip and steps the rest, within inductor's rounding of eager."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3, bias=False)).double()
+    twin = copy.deepcopy(model)
+    opts = [FISMO(param_groups(m), lr=0.02, nonfinite=nonfinite) for m in (model, twin)]
+    steps = [torch.compile(opts[0].step, backend="inductor"), opts[1].step]
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        for bad in (False, True):
+            for m, opt, step in zip((model, twin), opts, steps):
+                opt.zero_grad()
+                m(x).pow(2).mean().backward()
+                if bad:
+                    m[0].weight.grad[1, 2] = float("nan")
+                before = [p.detach().clone() for p in m.parameters()]
+                if m is model:
+                    before_second = [model[2].weight.detach().clone()]
+                if bad and nonfinite == "raise":
+                    with pytest.raises(ValueError, match=r"parameter 0 of param group 0 \(shape \(4, 5\)\) contains 1 NaN"):
+                        step()
+                    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+                else:
+                    step()
+    if nonfinite == "skip":
+        assert [int(opt.state[m[0].weight]["skipped"]) for m, opt in zip((model, twin), opts)] == [1, 1]
+        # The skipped matrix, stepped once: inductor's rounding of eager (the others' next gradients follow the
+        # AdamW bias, which inductor computes 6.6e-9 from eager as it does torch.optim.AdamW's: not compared).
+        a, b = model[0].weight, twin[0].weight
+        assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())
+        assert not torch.equal(model[2].weight, before_second[0])
+
+
 def test_a_cnn_with_batchnorm_blocks_and_skipped_steps_does_not_recompile():
     """Conv weights (flattened), BatchNorm on AdamW, blocks, and iterations that skip ``opt.step`` (gradient
     accumulation): one compiled frame."""
