@@ -688,7 +688,9 @@ def fismo(
     matrix_mask:
         Optional pytree of booleans (or a function of the params returning
         one): ``True`` leaves use FISMO (they need ``ndim >= 2``), ``False``
-        leaves go to ``non_matrix``. Default: ``leaf.ndim >= 2``.
+        leaves go to ``non_matrix``. It may be a prefix of the params, as
+        ``optax.masked``'s mask: one boolean for a whole subtree.
+        Default: ``leaf.ndim >= 2``.
     matrix_shape:
         The matrix a leaf of more than two dimensions is optimized as;
         ``None`` (default): `default_matrix_shape`, ``(shape[0], prod(shape[1:]))``.
@@ -909,7 +911,9 @@ def _fismo_transformation(
             # The mask leads, as in optax.masked: inside an optax.masked, ``tree`` holds an optax.MaskedNode
             # (a node without leaves) where the mask still holds a boolean.
             out = jax.tree.map(lambda use, x: "fismo" if use else "non_matrix", mask, tree)
-        pairs = jax.tree.map(lambda label, x: _Labelled(label, x), out, tree)  # a _Labelled is one leaf
+        # A _Labelled is one leaf; a label over a subtree (a mask that is a prefix of the params, as
+        # optax.masked takes) labels each of its leaves.
+        pairs = jax.tree.map(lambda label, x: jax.tree.map(lambda leaf: _Labelled(label, leaf), x), out, tree)
         labelled = [
             (jax.tree_util.keystr(path), pair.leaf, pair.label)
             for path, pair in jax.tree_util.tree_flatten_with_path(pairs)[0]

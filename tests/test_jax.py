@@ -475,6 +475,29 @@ def test_optax_pytree_matrix_mask_inside_optax_masked() -> None:
                      {"layers": (True, True), "head": False}).init(params)
 
 
+def test_optax_matrix_mask_that_is_a_prefix_of_the_params() -> None:
+    """A mask with one boolean over a subtree (a prefix of the params, as ``optax.masked`` takes): ``True``
+    over a subtree of matrices was refused as "a leaf of shape ()" naming the subtree (``False`` worked; a
+    user's hunt, 2026-12-02). Each leaf under it is labelled; the updates equal the full mask's bit for bit,
+    and a vector under a ``True`` subtree is refused by its own path."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float64")
+    rng = np.random.default_rng(22)
+    params = {"enc": {"w": jnp.asarray(rng.standard_normal((4, 3))), "b": jnp.asarray(rng.standard_normal(3))},
+              "dec": {"w": jnp.asarray(rng.standard_normal((3, 4))), "v": jnp.asarray(rng.standard_normal((5, 4)))}}
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape)), params)
+    prefix = {"enc": {"w": True, "b": False}, "dec": True}
+    full = {"enc": {"w": True, "b": False}, "dec": {"w": True, "v": True}}
+    got, want = (jax.jit(tx.update)(g, tx.init(params), params)[0]
+                 for tx in (fismo(0.02, matrix_mask=mask, non_matrix=optax.sgd(0.1)) for mask in (prefix, full)))
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    assert not bool(jnp.array_equal(got["dec"]["v"], -0.1 * g["dec"]["v"]))  # FISMO's, not non_matrix's
+    with pytest.raises(ValueError, match=r"fewer than 2 dimensions for FISMO: \['enc'\]\['b'\] \(shape \(3,\)\)"):
+        fismo(0.02, matrix_mask={"enc": True, "dec": False}).init(params)
+
+
 @pytest.mark.parametrize("config", ["fismo", "newton_schulz roots", "blocks", "fismo_training"])
 def test_tracing_never_asks_a_tracer_what_it_cannot_say(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A traced array asked for its device, or for its value (``bool``), raises an error whose message
