@@ -420,7 +420,7 @@ class Reference:
                 if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
                     raise ReferenceFileError(f"{path} is not a fismo verify reference file (format is not {FORMAT_NAME!r})")
                 version = manifest.get("format_version")
-                if version != FORMAT_VERSION:
+                if type(version) is not int or version != FORMAT_VERSION:  # not True, which equals 1
                     raise ReferenceFileError(
                         f"{path} has reference format version {version!r}; fismo {__version__} reads version "
                         f"{FORMAT_VERSION} (make a new reference with this version: fismo verify --save)"
@@ -429,10 +429,16 @@ class Reference:
                     stream_info = manifest["streams"]
                     quantities = tuple(manifest["quantities"])
                     checksum = manifest["checksum"]
-                    steps, seed, config = int(manifest["steps"]), int(manifest["seed"]), manifest["config"]
-                    lib = str(manifest["library_version"])
+                    steps, seed, config = manifest["steps"], manifest["seed"], manifest["config"]
+                    lib = manifest["library_version"]
                 except (KeyError, TypeError, ValueError) as exc:
                     raise ReferenceFileError(f"{path} is damaged: its manifest is incomplete or malformed ({exc})") from exc
+                # As written by `save`: integers (not "3", 3.9 or True), a seed >= 0, a version string.
+                wrong = [f"{key} {value!r}" for key, value, low in (("steps", steps, 1), ("seed", seed, 0))
+                         if type(value) is not int or value < low]
+                if wrong or not isinstance(lib, str):
+                    wrong += [] if isinstance(lib, str) else [f"library_version {lib!r}"]
+                    raise ReferenceFileError(f"{path} is damaged: its manifest has {', '.join(wrong)}")
                 if set(quantities) != set(QUANTITIES):
                     raise ReferenceFileError(
                         f"{path} is incompatible: it compares {', '.join(quantities)}; this version compares "
@@ -444,27 +450,36 @@ class Reference:
                 names = [s["name"] for s in stream_info]
                 if len(set(names)) != len(names):
                     raise ReferenceFileError(f"{path} is damaged: its manifest repeats a stream name")
-                if steps < 1:
-                    raise ReferenceFileError(f"{path} is damaged: its manifest has {steps} steps")
+                # Each stream's own steps: the Gaussian streams run `steps`, the recorded ones at most their 16.
+                stream_steps = {s["name"]: s.get("steps") for s in stream_info}
+                short = [f"{n!r} {k!r}" for n, k in stream_steps.items() if type(k) is not int or not 1 <= k <= steps]
+                if short:
+                    raise ReferenceFileError(
+                        f"{path} is damaged: its manifest gives streams steps outside 1..{steps}: {', '.join(short[:3])}"
+                    )
                 expected = {f"{n}/{k}" for n in names for k in ("W0", "G", *QUANTITIES)}
                 missing = sorted(expected - set(f.files))
                 if missing:
                     raise ReferenceFileError(f"{path} is damaged: arrays missing ({', '.join(missing[:3])}...)")
-                arrays = {k: np.asarray(f[k], dtype=np.float64) for k in sorted(expected)}
+                arrays = {k: f[k] for k in sorted(expected)}
+                other = [f"{k} ({a.dtype})" for k, a in arrays.items() if a.dtype != np.float64]
+                if other:
+                    raise ReferenceFileError(f"{path} is damaged: arrays not float64 ({', '.join(other[:3])})")
         except ReferenceFileError:
             raise
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as exc:
+        # NotImplementedError: zipfile's answer to a flipped compression method or version in the zip directory.
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError) as exc:
             raise ReferenceFileError(f"{path} is damaged: {type(exc).__name__}: {exc}") from exc
         if _checksum(arrays) != checksum:
             raise ReferenceFileError(f"{path} is damaged: its checksum does not match its contents")
-        for name in names:  # G and every line's output hold `steps` steps of W0's batch
-            W0 = arrays[f"{name}/W0"]
-            lead = (steps, *W0.shape[:-2])
+        for name in names:  # G and every line's output hold the stream's steps of W0's batch
+            W0, n_steps = arrays[f"{name}/W0"], stream_steps[name]
+            lead = (n_steps, *W0.shape[:-2])
             wrong = [k for k in QUANTITIES if arrays[f"{name}/{k}"].shape[: len(lead)] != lead]
-            if W0.ndim < 2 or arrays[f"{name}/G"].shape != (steps, *W0.shape) or wrong:
+            if W0.ndim < 2 or arrays[f"{name}/G"].shape != (n_steps, *W0.shape) or wrong:
                 shapes = ", ".join(f"{k} {arrays[f'{name}/{k}'].shape}" for k in ("W0", "G", *wrong[:1]))
                 raise ReferenceFileError(
-                    f"{path} is damaged: stream {name!r} does not hold {steps} steps of W0's shape ({shapes})"
+                    f"{path} is damaged: stream {name!r} does not hold {n_steps} steps of W0's shape ({shapes})"
                 )
         try:
             optimizer_from_config(config)

@@ -420,6 +420,21 @@ def test_refuses_a_truncated_or_corrupted_file(saved: Path, tmp_path: Path, caps
     _refused(bad, capsys, "is damaged")
 
 
+def test_a_flipped_zip_directory_is_refused_as_damaged(saved: Path, tmp_path: Path, capsys) -> None:
+    """A byte of the zip's central directory flipped so that zipfile reads another compression method:
+    ``NotImplementedError: That compression method is not supported``, a traceback and exit 1 until
+    2026-12-02 (a user's hunt); now one line and exit 2."""
+    with zipfile.ZipFile(saved) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("direction.npy"))
+    data = bytearray(saved.read_bytes())
+    entry = data.rindex(info.filename.encode()) - 46  # its central directory entry: the name follows 46 bytes
+    assert data[entry:entry + 4] == b"PK\x01\x02"
+    data[entry + 10:entry + 12] = (99).to_bytes(2, "little")  # compression method 99 (AES): not in zipfile
+    bad = tmp_path / "method.npz"
+    bad.write_bytes(bytes(data))
+    _refused(bad, capsys, "is damaged: NotImplementedError")
+
+
 def test_refuses_another_format_version(saved: Path, tmp_path: Path, capsys) -> None:
     path = _rewrite(saved, tmp_path / "v2.npz", edit_manifest=lambda m: m.update(format_version=2))
     _refused(path, capsys, r"has reference format version 2; fismo .* reads version 1")
@@ -452,6 +467,51 @@ def test_refuses_a_manifest_without_named_streams(saved: Path, tmp_path: Path, c
 def test_refuses_a_configuration_of_the_wrong_type(saved: Path, tmp_path: Path, capsys) -> None:
     path = _rewrite(saved, tmp_path / "p.npz", edit_manifest=lambda m: m["config"].update(polar=5))
     _refused(path, capsys, r"is incompatible: its FISMO configuration cannot be built")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [(lambda m: m.update(steps="2"), "its manifest has steps '2'"),
+     (lambda m: m.update(steps=2.5), "its manifest has steps 2.5"),
+     (lambda m: m.update(seed=-5), "its manifest has seed -5"),
+     (lambda m: m.update(library_version=None), "its manifest has library_version None"),
+     (lambda m: m.update(format_version=True), "has reference format version True"),
+     (lambda m: m["streams"][0].update(steps=3), "gives streams steps outside 1..2: 'gauss.2x16x16' 3")],
+    ids=["steps-string", "steps-float", "seed-negative", "no-library-version", "version-true", "stream-steps"],
+)
+def test_refuses_manifest_values_of_the_wrong_type(saved: Path, tmp_path: Path, capsys, edit, message) -> None:
+    """Values the format rules out were read by ``int()`` and ``==`` (``"3"``, ``3.9``, ``True`` passed; a
+    user's hunt, 2026-12-02): refused as damaged, one line, exit 2."""
+    _refused(_rewrite(saved, tmp_path / "m.npz", edit_manifest=edit), capsys, re.escape(message))
+
+
+def test_refuses_arrays_that_are_not_float64(saved: Path, tmp_path: Path, capsys) -> None:
+    """The format's arrays are all float64; a complex one loaded with a ComplexWarning, its imaginary part
+    dropped, and a float32 one was widened (a user's hunt, 2026-12-02)."""
+    from fismo_core.verify import _checksum
+
+    out = tmp_path / "c.npz"
+    with np.load(saved) as f:
+        arrays = {k: f[k] for k in f.files}
+    manifest = json.loads(str(arrays.pop("manifest")))
+    key = next(k for k in arrays if k.endswith("/M"))
+    arrays[key] = arrays[key].astype(np.complex128)
+    manifest["checksum"] = _checksum({k: np.asarray(v.real, dtype=np.float64) for k, v in arrays.items()})
+    with open(out, "wb") as fh:
+        np.savez(fh, manifest=np.array(json.dumps(manifest)), **arrays)
+    _refused(out, capsys, re.escape(f"is damaged: arrays not float64 ({key} (complex128))"))
+
+
+def test_a_reference_of_more_steps_than_the_recorded_streams_hold_loads(tmp_path: Path) -> None:
+    """The recorded streams hold 16 steps, the Gaussian ones ``steps``: a reference of 17 steps (50 by
+    default) was refused as damaged by its own ``fismo verify --against`` until 2026-12-02 (a user's hunt),
+    the load expecting every stream to hold the manifest's steps. Each stream's own steps are read now."""
+    streams = default_streams(17, 0)
+    assert {s.steps for s in streams} == {17, 16}
+    path = tmp_path / "ref17.npz"
+    Reference.compute(FISMO(), streams, steps=17, seed=0).save(path)
+    loaded = Reference.load(path)
+    assert [(s.name, s.steps) for s in loaded.streams] == [(s.name, s.steps) for s in streams]
 
 
 def test_refuses_streams_whose_arrays_do_not_hold_the_steps(saved: Path, tmp_path: Path, capsys) -> None:
