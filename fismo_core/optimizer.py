@@ -341,7 +341,8 @@ class FISMOState(NamedTuple):
         """Rebuild a state from [`to_dict`][fismo_core.FISMOState.to_dict]'s output for parameters like ``like``.
 
         The arrays are moved to ``like``'s library and device
-        (``xp.asarray(x, device=...)``) but never cast: a state whose dtype
+        (``xp.asarray(x, device=...)``; an array of another library than
+        NumPy through DLPack) but never cast: a state whose dtype
         is not ``state_dtype(like.dtype)`` is an error, so that a resumed run
         is bit-identical to an uninterrupted one.
 
@@ -397,7 +398,7 @@ class FISMOState(NamedTuple):
         dtype = state_dtype(xp, like.dtype)
 
         def read(key: str, tail: tuple[int, ...]) -> Array:
-            x = xp.asarray(d[key], device=dev)
+            x = _saved_array(xp, d[key], like, dev, key)
             if tuple(x.shape) != (*batch, *tail):
                 raise ValueError(
                     f"state.{key} has shape {tuple(x.shape)}, but parameters of shape {tuple(like.shape)} "
@@ -423,7 +424,7 @@ class FISMOState(NamedTuple):
             if name not in keys:
                 fields[name] = xp.zeros(tuple(batch), dtype=xp.int32, device=dev)
                 continue
-            x = xp.asarray(d[name], device=dev)
+            x = _saved_array(xp, d[name], like, dev, name)
             # One count for the whole batch (0-d) is what a state built by hand holds (the field's default 0).
             if tuple(x.shape) not in ((), tuple(batch)) or not xp.isdtype(x.dtype, "integral"):
                 raise ValueError(
@@ -1326,6 +1327,25 @@ def _creation_device(W: Array) -> Any:
     return None if dev is None or getattr(W, "committed", True) is False else dev
 
 
+def _saved_array(xp: Any, x: Any, like: Array, device: Any, key: str) -> Array:
+    """A saved state's ``x`` as an array of ``like``'s library ``xp`` on ``device``, not cast (`FISMOState.from_dict`).
+
+    An array of a third library (neither NumPy, which every library reads, nor ``like``'s) goes through
+    DLPack: ``torch.asarray`` read a JAX array's buffer as raw bytes (a 3 x 3 float64 became 18 float32,
+    refused as "saved for another parameter"). One DLPack cannot carry (another device) is a ``TypeError``.
+    """
+    library = type(x).__module__.split(".")[0]
+    if hasattr(x, "__dlpack__") and library not in ("numpy", type(like).__module__.split(".")[0]):
+        try:
+            x = xp.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            raise TypeError(
+                f"state.{key} is an array of {library} that {type(like).__module__.split('.')[0]} cannot take "
+                f"through DLPack ({exc}); pass the state's arrays as NumPy arrays"
+            ) from exc
+    return xp.asarray(x, device=device)
+
+
 def state_dtype(xp: Any, dtype: Any) -> Any:
     """The dtype of FISMO's state for parameters of ``dtype`` in namespace ``xp``.
 
@@ -1479,11 +1499,21 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
         )
     for name in ("skipped", "root_failures"):
         counter = getattr(state, name)
-        if not isinstance(counter, numbers.Integral) and tuple(counter.shape) not in ((), tuple(batch)):
+        if isinstance(counter, numbers.Integral):
+            continue
+        if tuple(counter.shape) not in ((), tuple(batch)):
             raise ValueError(
                 f"state.{name} must have the batch shape {tuple(batch)} of G {tuple(G.shape)}, "
                 f"got {tuple(counter.shape)} (was the state built for another parameter?)"
             )
+        # As from_dict reads them: counts of a float dtype stepped, and the state could not be saved and loaded.
+        if not xp.isdtype(counter.dtype, "integral"):
+            raise TypeError(
+                f"state.{name} must be an integer count (FISMO.init makes int32), got {counter.dtype}: was the state "
+                "cast (optax.tree.cast casts it too)?"
+            )
+    if isinstance(state.step, numbers.Integral) and not isinstance(state.step, bool) and state.step < 0:
+        raise ValueError(f"state.step must be an integer >= 0, got {state.step}")
     return xp
 
 

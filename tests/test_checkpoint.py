@@ -104,6 +104,36 @@ def test_to_dict_and_from_dict_in_memory_and_through_torch_save() -> None:
     _assert_same(opt.step(W_t, G, loaded)[1], opt.step(W_t, G, state_t)[1])
 
 
+@pytest.mark.parametrize("block_size", [None, 2])
+def test_a_jax_state_moves_to_torch_and_back_bit_for_bit(block_size) -> None:
+    """``from_dict(jax_state.to_dict(), like=torch_W)``: ``torch.asarray`` read each JAX array's buffer as
+    raw bytes (a 6 x 6 float64 ``P`` became 72 float32 values), refused as "saved for another parameter?"
+    (a user's hunt, 2026-12-02). Arrays of a third library go through DLPack: the same bits both ways."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    opt = FISMO(nonfinite="skip", block_size=block_size)
+    grads = _grads(3)
+    W = np.random.default_rng(44).standard_normal(SHAPE)
+    for dtype in ("float64", "float32"):
+        W_j, state = jnp.asarray(W, dtype=dtype), opt.init(jnp.asarray(W, dtype=dtype))
+        for G in grads:
+            W_j, state = opt.step(W_j, jnp.asarray(G, dtype=dtype), state)
+        W_t = torch.asarray(np.asarray(W_j))
+        on_torch = FISMOState.from_dict(state.to_dict(), like=W_t, block_size=block_size)
+        back = FISMOState.from_dict(on_torch.to_dict(), like=W_j, block_size=block_size)
+        saved, moved, returned = state.to_dict(), on_torch.to_dict(), back.to_dict()
+        assert isinstance(moved["M"], torch.Tensor) and set(moved) == set(saved) == set(returned)
+        for key, value in saved.items():
+            if isinstance(value, (int, type(None))):
+                assert moved[key] == value == returned[key], key
+                continue
+            a, b, c = (_exact_numpy(d[key]) for d in (saved, moved, returned))
+            assert a.dtype == b.dtype == c.dtype and np.array_equal(a, b) and np.array_equal(a, c), key
+
+
 def _saved(shape=SHAPE, dtype=np.float64) -> dict:
     W = np.zeros(shape, dtype)
     opt = FISMO()
@@ -182,6 +212,26 @@ def test_a_hand_built_batched_state_round_trips() -> None:
     W2, _ = opt.step(W1, G2, s1)
     W2_back, _ = opt.step(W1, G2, back)
     assert np.array_equal(W2, W2_back)
+
+
+@pytest.mark.parametrize(
+    "edit, exc, match",
+    [({"skipped": np.zeros(2)}, TypeError, r"state.skipped must be an integer count .* got float64"),
+     ({"root_failures": np.zeros(2, np.float32)}, TypeError, r"state.root_failures must be an integer count"),
+     ({"step": -3}, ValueError, r"state.step must be an integer >= 0, got -3")],
+    ids=["float-skipped", "float-root-failures", "negative-step"],
+)
+def test_step_refuses_a_hand_built_state_that_could_not_be_saved(edit, exc, match) -> None:
+    """``step`` took float counters and a negative step count (a user's hunt, 2026-12-02), and returned a
+    state with them that ``from_dict(to_dict())`` refused: the checks of ``from_dict`` are ``step``'s too."""
+    rng = np.random.default_rng(1)
+    W, G = rng.standard_normal(SHAPE), rng.standard_normal(SHAPE)
+    opt = FISMO(nonfinite="skip")
+    hand = opt.init(W)._replace(**edit)
+    with pytest.raises(exc, match=match):
+        opt.step(W, G, hand)
+    with pytest.raises((TypeError, ValueError)):  # from_dict refuses the same state
+        FISMOState.from_dict(hand.to_dict(), like=W)
 
 
 def test_counters_may_be_missing() -> None:
