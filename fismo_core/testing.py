@@ -696,6 +696,27 @@ def _value_error(value: Any, reference: Any) -> float:
     return max_relative_error(value, reference) if comparable else math.inf
 
 
+def _inexact_count(value: Any, reference: Any, reference64: Any) -> Optional[str]:
+    """Integers and booleans (indices, masks, counts) are equal or wrong: how many entries differ, or ``None``.
+
+    ``reference`` is NumPy float64's output as returned (it says the kind), ``reference64`` the same as
+    `to_numpy` gives it (exact for integers up to 2**53).
+
+    Compared by the relative error with the floating tolerance, an index off by one in a vector of
+    300,000 entries passed a float32 row (error 5e-6; a user's hunt, 2026-12-02).
+    """
+    import numpy as np
+
+    kind = "b" if type(reference) is bool else "i" if type(reference) is int else np.asarray(reference).dtype.kind
+    if kind not in "biu":
+        return None
+    differ = int(np.count_nonzero(to_numpy(value) != reference64))
+    size = int(np.size(reference64))
+    if not differ:
+        return None
+    return f"{'it differs' if size == 1 else f'{differ} of {size} entries differ'} (integer and boolean outputs must be equal)"
+
+
 def _declared_dtypes(out_dtypes: Union[str, Mapping[str, str], None], reference: Mapping[str, Any]) -> dict[str, str]:
     """``out_dtypes`` as a dtype name per array output of the reference call (validated)."""
     if out_dtypes is None:
@@ -760,7 +781,9 @@ def check_backends(
     undeclared complex output must have the complex dtype of the target's
     floating one (``complex64`` on float32, as ``rfft`` gives); an
     undeclared output that is neither floating nor complex on NumPy float64
-    (indices, masks) must have the dtype it has there.
+    (indices, masks) must have the dtype it has there. Integer and boolean
+    outputs (arrays, Python ints and bools) must equal the reference's
+    exactly, whatever the tolerance.
 
     ``targets`` defaults to `targets()` (unavailable ones are reported as
     skipped). Matrix products run in true float32 (`full_float32_matmuls`).
@@ -910,9 +933,11 @@ def _compare(
                 mismatches[name] = f"{type(out[name]).__qualname__} where NumPy float64 returns None"
         else:
             mismatch = _mismatch(out[name], ref, expected, declared.get(name))
+            errors[name] = _value_error(out[name], reference64[name])
+            if mismatch is None and math.isfinite(errors[name]):
+                mismatch = _inexact_count(out[name], ref, reference64[name])
             if mismatch is not None:
                 mismatches[name] = mismatch
-            errors[name] = _value_error(out[name], reference64[name])
     for name in out:
         if name not in reference:
             errors[name], mismatches[name] = math.inf, "not among NumPy float64's outputs"

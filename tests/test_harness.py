@@ -419,6 +419,29 @@ def test_index_and_mask_outputs_keep_numpys_dtype() -> None:
     assert check_backends(narrow_indices, X, targets=NUMPY[1:], out_dtypes="int32").ok
 
 
+def test_index_mask_and_count_outputs_must_be_equal_not_close() -> None:
+    """An index off by one in a vector of 300,000 entries passed a float32 row: its relative error, 5e-6,
+    was compared with the floating tolerance (a user's hunt, 2026-12-02). Integer and boolean outputs, arrays
+    or Python numbers, are equal or wrong; the row says how many entries differ."""
+    x = np.zeros(300_000)
+    x[200_000], x[200_001] = 1.0, 0.6
+
+    def off_by_one_in_float32(x: Any) -> Any:
+        xp = array_namespace(x)
+        shift = int(x.dtype == xp.float32)
+        return xp.argmax(x) + shift, x > 0.5 + 0.2 * shift, int(xp.sum(x > 0)) + shift
+
+    report = check_backends(off_by_one_in_float32, x, targets=NUMPY)
+    assert report[0].verdict == "pass"
+    assert report[1].details["output[0]"] < report[1].tolerance  # what passed the index before
+    assert report[1].verdict == "FAIL at output[0]: it differs (integer and boolean outputs must be equal)"
+    assert report[1].mismatches == {
+        "output[0]": "it differs (integer and boolean outputs must be equal)",
+        "output[1]": "1 of 300000 entries differ (integer and boolean outputs must be equal)",
+        "output[2]": "it differs (integer and boolean outputs must be equal)",
+    }
+
+
 def test_a_complex_output_has_the_complex_dtype_of_the_targets_floating_one() -> None:
     """rfft of float32 is complex64 in every array API library; the harness expected NumPy float64's
     complex128 on every target, so a correct function failed every float32 row, whatever out_dtypes said."""
