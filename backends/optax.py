@@ -138,13 +138,29 @@ def _matrix_dims(shape: tuple[int, ...], matrix_shape: MatrixShape) -> tuple[int
     """The matrix ``(m, n)`` a leaf of ``shape`` is optimized as: itself if 2-D, else ``matrix_shape(shape)``."""
     if len(shape) == 2:
         return shape[0], shape[1]
-    dims = tuple(matrix_shape(shape))
-    if len(dims) != 2:
-        raise ValueError(f"matrix_shape{shape} returned {dims}; it must return two sizes (m, n)")
-    m, n = dims
+    returned = matrix_shape(shape)
+    try:
+        dims = tuple(returned)
+    except TypeError:
+        dims = (returned,)
+    if len(dims) != 2 or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ValueError(f"matrix_shape{shape} returned {returned!r}; it must return two positive integers (m, n)")
+    m, n = (int(d) for d in dims)
     if m * n != math.prod(shape):
         raise ValueError(f"matrix_shape{shape} returned ({m}, {n}), which does not have {math.prod(shape)} elements")
     return m, n
+
+
+def _checked_matrix_shape(matrix_shape: Optional[MatrixShape]) -> MatrixShape:
+    """``matrix_shape`` as given (`default_matrix_shape` for ``None``), refused when built unless it can be called:
+    ``matrix_shape=5`` was accepted and raised ``'int' object is not callable`` at ``init``, naming no leaf."""
+    if matrix_shape is None:
+        return default_matrix_shape
+    if not callable(matrix_shape):
+        raise TypeError(
+            f"matrix_shape must be None or a function of a leaf's shape returning (m, n), got {matrix_shape!r}"
+        )
+    return matrix_shape
 
 
 def _as_matrix(x: Any, matrix_shape: MatrixShape) -> Any:
@@ -473,7 +489,7 @@ def scale_by_fismo(
     """
     _python_settings("scale_by_fismo", {"gamma": gamma, "mu": mu, "block_size": block_size}, beta,
                      takes_learning_rate=False)
-    matrix_shape = default_matrix_shape if matrix_shape is None else matrix_shape
+    matrix_shape = _checked_matrix_shape(matrix_shape)
     # The learning rate is applied by fismo()'s line 9; the core's lr is unused by FISMO.direction.
     core = FISMO(
         lr=1.0,
@@ -535,9 +551,9 @@ def scale_by_fismo(
                     spec = jax.typeof(p).sharding.spec
                 else:
                     spec = None if isinstance(p, jax.core.Tracer) else p.sharding.spec
-                states.append(init_on_mesh(p, name=name, spec=spec))
+                states.append(_naming(name, init_on_mesh, p, name=name, spec=spec))
                 continue
-            state = core.init(_as_matrix(p, matrix_shape), name=name)
+            state = _naming(name, lambda p: core.init(_as_matrix(p, matrix_shape), name=name), p)
             # The step count is an int32 array from the start, as optax's counts are: every leaf of the
             # state is then an array (jax.tree.map, optax.tree.cast), and jit sees one argument kind
             # (a Python int at step 0 compiled a second executable; with every > 1, lax.cond makes it
@@ -553,7 +569,7 @@ def scale_by_fismo(
         # ... and NumPy states: a checkpoint restored by np.load, pickle or jax.device_get.
         states = [jax.tree.map(_as_jax, s) for s in treedef.flatten_up_to(state.states)]
         leaves = [(path, _beside_state(g, s)) for (path, g), s in zip(leaves, states)]
-        _check_finite_leaves(leaves)
+        _check_finite_leaves(leaves, states)
         # With the params, each state's dtype is checked against its parameter's (the gradient's may be
         # narrower: float32 gradients of float64 params are the core's G).
         weights = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
@@ -612,23 +628,41 @@ def _beside_state(g: Any, s: FISMOState) -> Any:
     return jax.device_put(g, s.M.sharding if same else NamedSharding(s.M.sharding.mesh, PartitionSpec()))
 
 
-def _check_finite_leaves(leaves: list[tuple[Any, Any]]) -> None:
-    """A ``ValueError`` naming the first leaf (by pytree path) whose gradient has a NaN or an infinity.
+def _naming(leaf: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its ``ValueError`` or ``TypeError`` prefixed with ``leaf`` (its name) unless it
+    names it already (the core's errors take the name): ``matrix_shape``'s did not say which leaf."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        if type(exc) not in (ValueError, TypeError) or leaf in str(exc):
+            raise
+        raise type(exc)(f"{leaf}: {exc}") from exc
+
+
+def _check_finite_leaves(leaves: list[tuple[Any, Any]], states: list[FISMOState]) -> None:
+    """A ``ValueError`` naming the first leaf (by pytree path) whose gradient has a NaN or an infinity, as cast
+    to its state's dtype (a float64 gradient beyond float32's range is infinite for a float32 state).
 
     One host read for all leaves on one device or mesh (`guards.read_faults`: one per device or mesh they
-    live on), before any is computed; traced (``jax.jit``): nothing to read, no check.
+    live on), before any is computed; traced (``jax.jit``): nothing to read, no check. (Until 2026-12-02 the
+    gradient was checked in its own dtype: on a mesh, where the core's own check does not run, such a
+    gradient was zeroed without a word, or made the update NaN with roots kept.)
     """
-    nonfinite = [~jnp.all(jnp.isfinite(g)) for _, g in leaves]
+    cast = [g.astype(s.M.dtype) if jnp.issubdtype(g.dtype, jnp.floating) and hasattr(s.M, "dtype") else g
+            for (_, g), s in zip(leaves, states)]
+    nonfinite = [~jnp.all(jnp.isfinite(g)) for g in cast]
     if not read_faults(*nonfinite):  # None when traced (jax.jit): nothing can be read, no check
         return
-    for (path, g), bad in zip(leaves, nonfinite):
+    for (path, g), g_cast, bad in zip(leaves, cast, nonfinite):
         if bool(bad):
-            nan, inf = int(jnp.sum(jnp.isnan(g))), int(jnp.sum(jnp.isinf(g)))
+            nan, inf = int(jnp.sum(jnp.isnan(g_cast))), int(jnp.sum(jnp.isinf(g_cast)))
+            finite_as_given = g_cast.dtype != g.dtype and bool(jnp.all(jnp.isfinite(g)))
+            widened = f" once cast from {g.dtype} to the state's dtype {g_cast.dtype}" if finite_as_given else ""
             raise ValueError(
                 f"the gradient of leaf {jax.tree_util.keystr(path)} (shape {tuple(g.shape)}) contains {nan} NaN "
-                f"and {inf} infinite values (of {g.size} entries); no update was computed and the state passed "
-                "in is unchanged. Check the loss and the gradient computation; optax.apply_if_finite(tx, ...) "
-                "skips such steps"
+                f"and {inf} infinite values (of {g.size} entries){widened}; no update was computed and the state "
+                "passed in is unchanged. Check the loss and the gradient computation; optax.apply_if_finite(tx, "
+                "...) skips such steps"
             )
 
 
@@ -901,7 +935,7 @@ def _fismo_transformation(
     """
     weight_decay = FISMO(weight_decay=weight_decay).weight_decay  # the core's check (a finite number >= 0)
     _check_learning_rate(learning_rate)
-    matrix_shape = default_matrix_shape if matrix_shape is None else matrix_shape
+    matrix_shape = _checked_matrix_shape(matrix_shape)
 
     def labels(tree: Any) -> Any:
         mask = matrix_mask(tree) if callable(matrix_mask) else matrix_mask

@@ -475,6 +475,24 @@ def test_optax_pytree_matrix_mask_inside_optax_masked() -> None:
                      {"layers": (True, True), "head": False}).init(params)
 
 
+def test_optax_bad_matrix_shape_is_refused_when_built_or_named_at_init() -> None:
+    """``matrix_shape=5`` (or a tuple) was accepted and raised ``'int' object is not callable`` at ``init``; a
+    function returning floats, negative sizes or ``None`` raised JAX's or Python's own errors, and no error
+    named the leaf (a user's hunt, 2026-12-02). Refused when built, and at init naming the leaf."""
+    from fismo_core.backends.optax import fismo, fismo_training, scale_by_fismo
+
+    _jax_target("float64")
+    params = {"enc": {"conv": jnp.ones((2, 3, 4, 5))}, "w": jnp.ones((3, 4))}
+    for build in (lambda: fismo(0.02, matrix_shape=5), lambda: fismo_training(0.02, matrix_shape=5),
+                  lambda: scale_by_fismo(matrix_shape=(6, 20))):
+        with pytest.raises(TypeError, match=r"matrix_shape must be None or a function of a leaf's shape"):
+            build()
+    for returned in [(2, 3), (6.0, 20.0), (-6, -20), (0, 120), None, (6, 20, 1)]:
+        tx = fismo(0.02, matrix_shape=lambda shape, r=returned: r)
+        with pytest.raises(ValueError, match=r"^leaf \['enc'\]\['conv'\] \(shape \(2, 3, 4, 5\)\): matrix_shape"):
+            tx.init(params)
+
+
 def test_optax_matrix_mask_that_is_a_prefix_of_the_params() -> None:
     """A mask with one boolean over a subtree (a prefix of the params, as ``optax.masked`` takes): ``True``
     over a subtree of matrices was refused as "a leaf of shape ()" naming the subtree (``False`` worked; a
@@ -626,7 +644,7 @@ def test_optax_matrix_shape_for_flax_kernels() -> None:
     assert not bool(jnp.allclose(default_updates, updates))
     with pytest.raises(ValueError, match="does not have 96 elements"):
         fismo(0.02, matrix_shape=lambda s: (5, 5)).init(kernel)
-    with pytest.raises(ValueError, match=r"matrix_shape\(2, 2, 2, 12\) returned \(2, 12, 4\); it must return two sizes"):
+    with pytest.raises(ValueError, match=r"matrix_shape\(2, 2, 2, 12\) returned \(2, 12, 4\); it must return two positive integers"):
         fismo(0.02, matrix_shape=lambda s: (2, 12, 4)).init(kernel)  # was "too many values to unpack"
     assert isinstance(tx, optax.GradientTransformation)
 

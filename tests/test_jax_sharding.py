@@ -467,6 +467,19 @@ def _user_hunt_cases() -> dict[str, Any]:
             fismo(0.02).init(thin)
         counts.append([str(w.message)[:60] for w in caught if issubclass(w.category, FactorSizeWarning)])
     out["factor_size_warnings"] = counts
+
+    # A float64 gradient beyond float32's range for a float32 leaf on the mesh, eagerly: refused as on one
+    # device, the state unchanged. It was zeroed without a word (every=1), as the core's check does not run
+    # on a mesh and the adapter checked the gradient in its own dtype (a user's hunt, 2026-12-02).
+    w32 = jax.device_put(jnp.ones((8, 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x", None)))
+    tx = fismo(0.02)
+    state = tx.init({"a": w32})
+    huge = {"a": jax.device_put(jnp.full((8, 4), 1e300), NamedSharding(mesh, PartitionSpec("x", None)))}
+    try:
+        tx.update(huge, state, {"a": w32})
+        out["overflow_once_cast_on_the_mesh"] = None
+    except ValueError as exc:
+        out["overflow_once_cast_on_the_mesh"] = str(exc)
     return out
 
 
@@ -657,6 +670,15 @@ def max_relative_error_of(a: Any, b: Any) -> float:
     from fismo_core.testing import max_relative_error
 
     return max_relative_error(np.asarray(a), np.asarray(b))
+
+
+def test_an_eager_update_on_a_mesh_refuses_a_gradient_that_overflows_the_states_dtype(results: dict[str, Any]) -> None:
+    """A float64 gradient of 1e300 for a float32 leaf on a 4x2 mesh: the one-device ``ValueError``, naming the
+    leaf and the cast, where it was zeroed without a word (a user's hunt, 2026-12-02)."""
+    message = results["user_hunt"]["overflow_once_cast_on_the_mesh"]
+    assert message is not None and message.startswith(
+        "the gradient of leaf ['a'] (shape (8, 4)) contains 0 NaN and 32 infinite values (of 32 entries) once cast "
+        "from float64 to the state's dtype float32"), message
 
 
 def test_a_state_resumed_from_a_host_copy_is_laid_out_as_init_lays_it_out(results: dict[str, Any]) -> None:
