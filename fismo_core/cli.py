@@ -39,12 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and the training configuration FISMO-T), Muon (configured as printed FISMO, and torch.optim.Muon at "
         "its defaults), AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
         "condition numbers of the updates and FISMO's preconditioners. 24 CPU-minutes on a CPU with bfloat16 "
-        "instructions (AVX-512 BF16; more where bfloat16 is emulated) (--quick: 3 to 6 CPU-minutes); see "
+        "instructions (AVX-512 BF16; more where bfloat16 is emulated) (--quick: 2.5 to 7 CPU-minutes); see "
         "docs/results.md.",
     )
     demo.add_argument("--out", default="fismo-results", help="output directory (default fismo-results/)")
-    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: 3 to 6 CPU-minutes (1.5 to 3 minutes on 2 idle cores; "
-                      "the less where the CPU has bfloat16 instructions, as the README measures)")
+    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: 2.5 to 7 CPU-minutes (1 min 15 s to 3 min 22 s on 2 "
+                      "cores; the less where the CPU has bfloat16 instructions, as the README measures)")
     demo.add_argument("--tasks", default="digits,text", help="comma-separated: digits, text (default both)")
     demo.add_argument(
         "--optimizers",
