@@ -531,7 +531,10 @@ def scale_by_fismo(
         device = g.sharding.mesh.devices.flat[0]
         # Through the host: JAX places no array typed by Explicit mesh axes on one device.
         g1, s1, beta = jax.device_put(jax.device_get((g, s, array_beta)), device)
-        d1, s1 = leaf_direction(g1, s1, beta)
+        # Under a mesh of one device: inside the caller's jax.set_mesh(mesh) the step's jit was refused
+        # ("Received incompatible devices", arrays on one device and the context mesh on all).
+        with jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("device",))):
+            d1, s1 = leaf_direction(g1, s1, beta)
         return jax.device_put(d1, d.sharding), jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), s1, s_new)
 
     def init_fn(params: Any) -> ScaleByFismoState:
