@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional
 
+from fismo_core.guards import library_name
 from fismo_core.kronecker import Blocks
 from fismo_core.optimizer import FISMOState
 
@@ -99,7 +100,7 @@ def state_to_host(state: FISMOState, *, stream: Optional[Any] = None) -> FISMOSt
     def to_host(x: Any, name: str) -> Any:
         if isinstance(x, (np.ndarray, int)):
             return x
-        if type(x).__module__.split(".")[0] == "cupy":
+        if library_name(x) == "cupy":
             return x.get(stream=stream)
         raise TypeError(
             f"state.{name} is a {type(x).__module__}.{type(x).__name__}; state_to_host takes CuPy or NumPy "

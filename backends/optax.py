@@ -651,7 +651,9 @@ def _check_finite_leaves(leaves: list[tuple[Any, Any]], states: list[FISMOState]
     gradient was checked in its own dtype: on a mesh, where the core's own check does not run, such a
     gradient was zeroed without a word, or made the update NaN with roots kept.)
     """
-    cast = [g.astype(s.M.dtype) if jnp.issubdtype(g.dtype, jnp.floating) and hasattr(s.M, "dtype") else g
+    # Only a narrowing cast can overflow: a bfloat16 or same-dtype gradient is checked as it is, without a copy.
+    cast = [g.astype(s.M.dtype) if jnp.issubdtype(g.dtype, jnp.floating)
+            and jnp.finfo(g.dtype).max > jnp.finfo(s.M.dtype).max else g
             for (_, g), s in zip(leaves, states)]
     nonfinite = [~jnp.all(jnp.isfinite(g)) for g in cast]
     if not read_faults(*nonfinite):  # None when traced (jax.jit): nothing can be read, no check

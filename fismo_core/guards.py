@@ -70,6 +70,11 @@ def type_name(x: Any) -> str:
     return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
+def library_name(x: Any) -> str:
+    """The top-level module of ``x``'s type: ``"numpy"``, ``"torch"``, ``"jaxlib"`` (JAX arrays), ``"cupy"``..."""
+    return type(x).__module__.split(".")[0]
+
+
 def check_beta_library(beta: Any, array_type: type, where: str, wanted: str) -> None:
     """An adapter's refusal of an array ``beta`` not of its library (``array_type``), where its settings
     are taken: the core can refuse it only at the first call, when it meets the gradient. The error begins

@@ -1334,14 +1334,14 @@ def _saved_array(xp: Any, x: Any, like: Array, device: Any, key: str) -> Array:
     DLPack: ``torch.asarray`` read a JAX array's buffer as raw bytes (a 3 x 3 float64 became 18 float32,
     refused as "saved for another parameter"). One DLPack cannot carry (another device) is a ``TypeError``.
     """
-    library = type(x).__module__.split(".")[0]
-    if hasattr(x, "__dlpack__") and library not in ("numpy", type(like).__module__.split(".")[0]):
+    library, wanted = guards.library_name(x), guards.library_name(like)
+    if hasattr(x, "__dlpack__") and library not in ("numpy", wanted):
         try:
             x = xp.from_dlpack(x)
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise TypeError(
-                f"state.{key} is an array of {library} that {type(like).__module__.split('.')[0]} cannot take "
-                f"through DLPack ({exc}); pass the state's arrays as NumPy arrays"
+                f"state.{key} is an array of {library} that {wanted} cannot take through DLPack ({exc}); pass "
+                "the state's arrays as NumPy arrays"
             ) from exc
     return xp.asarray(x, device=device)
 
@@ -1512,8 +1512,8 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
                 f"state.{name} must be an integer count (FISMO.init makes int32), got {counter.dtype}: was the state "
                 "cast (optax.tree.cast casts it too)?"
             )
-    if isinstance(state.step, numbers.Integral) and not isinstance(state.step, bool) and state.step < 0:
-        raise ValueError(f"state.step must be an integer >= 0, got {state.step}")
+    if isinstance(state.step, numbers.Integral):  # from_dict's rule (an array step may be traced: not read)
+        _saved_integer(state.step, "step")
     return xp
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .guards import library_name
 from .linalg import _dtype_name
 from .optimizer import FISMO, FISMOState
 
@@ -119,7 +120,7 @@ def to_numpy(x: Any) -> Any:
 
     if isinstance(x, (np.ndarray, np.generic)) or type(x) in _PYTHON_NUMBERS:
         return np.asarray(x, dtype=np.complex128 if np.iscomplexobj(x) else np.float64)
-    module = type(x).__module__.split(".")[0]
+    module = library_name(x)
     if module == "cupy":
         host = x.get()
         return np.asarray(host, dtype=np.complex128 if np.iscomplexobj(host) else np.float64)
@@ -707,8 +708,7 @@ def _inexact_count(value: Any, reference: Any, reference64: Any) -> Optional[str
     """
     import numpy as np
 
-    kind = "b" if type(reference) is bool else "i" if type(reference) is int else np.asarray(reference).dtype.kind
-    if kind not in "biu":
+    if np.asarray(reference).dtype.kind not in "biu":  # a Python bool or int too
         return None
     differ = int(np.count_nonzero(to_numpy(value) != reference64))
     size = int(np.size(reference64))

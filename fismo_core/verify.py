@@ -436,8 +436,8 @@ class Reference:
                 # As written by `save`: integers (not "3", 3.9 or True), a seed >= 0, a version string.
                 wrong = [f"{key} {value!r}" for key, value, low in (("steps", steps, 1), ("seed", seed, 0))
                          if type(value) is not int or value < low]
-                if wrong or not isinstance(lib, str):
-                    wrong += [] if isinstance(lib, str) else [f"library_version {lib!r}"]
+                wrong += [] if isinstance(lib, str) else [f"library_version {lib!r}"]
+                if wrong:
                     raise ReferenceFileError(f"{path} is damaged: its manifest has {', '.join(wrong)}")
                 if set(quantities) != set(QUANTITIES):
                     raise ReferenceFileError(

@@ -218,7 +218,7 @@ def test_a_hand_built_batched_state_round_trips() -> None:
     "edit, exc, match",
     [({"skipped": np.zeros(2)}, TypeError, r"state.skipped must be an integer count .* got float64"),
      ({"root_failures": np.zeros(2, np.float32)}, TypeError, r"state.root_failures must be an integer count"),
-     ({"step": -3}, ValueError, r"state.step must be an integer >= 0, got -3")],
+     ({"step": -3}, ValueError, r"state step must be an integer >= 0, got -3")],
     ids=["float-skipped", "float-root-failures", "negative-step"],
 )
 def test_step_refuses_a_hand_built_state_that_could_not_be_saved(edit, exc, match) -> None:
