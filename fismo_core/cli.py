@@ -91,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = default_config(
                 args.quick,
                 tasks=tuple(args.tasks.split(",")),
-                optimizers=tuple(args.optimizers.split(",")) if args.optimizers else None,
+                optimizers=None if args.optimizers is None else tuple(args.optimizers.split(",")),
                 seeds=args.seeds,
                 steps=args.steps,
                 jobs=args.jobs,

@@ -734,7 +734,11 @@ def main(
         print("fismo verify: needs NumPy, the reference backend: pip install 'fismo[numpy]'", file=err)
         return 2
     if save is not None and not Path(save).resolve().parent.is_dir():
-        print(f"fismo verify: cannot write {save}: directory {Path(save).resolve().parent} does not exist", file=err)
+        parent = Path(save).resolve().parent
+        blocking = next((p for p in (parent, *parent.parents) if p.exists()), None)
+        why = f"{blocking} is a file, not a directory" if blocking is not None and not blocking.is_dir() \
+            else f"directory {parent} does not exist"
+        print(f"fismo verify: cannot write {save}: {why}", file=err)
         return 2
     if save is not None and Path(save).is_dir():  # refused before the run, not after it
         print(f"fismo verify: cannot write {save}: it is a directory (give a file name, e.g. {Path(save) / 'reference.npz'})", file=err)

@@ -112,12 +112,6 @@ READER_HAS: dict[tuple[str, str], str] = {
         "state = opt.init(W)\n"
         "W, state = opt.step(W, W - 1.0, state)\n"
     ),
-    ("docs/backends.md", "step = jax.jit(opt.step)"): (
-        "import jax, jax.numpy as jnp\n"
-        "jax.config.update('jax_enable_x64', True)\n"
-        "W0 = jnp.asarray([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]])\n"
-        "grads = [W0 * k for k in (0.1, 0.2, 0.3)]\n"
-    ),
     ("docs/backends.md", "tx = fismo(learning_rate=optax.cosine_decay_schedule(0.02, 10_000)"): (
         "import jax, jax.numpy as jnp\n"
         "params = {'w': jnp.ones((8, 4)) / 4, 'b': jnp.zeros((4,))}\n"

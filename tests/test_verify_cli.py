@@ -628,6 +628,15 @@ def test_save_into_a_missing_directory_is_refused_before_running(tmp_path: Path,
     assert captured.out == "" and "directory" in captured.err and "does not exist" in captured.err
 
 
+def test_save_under_a_file_says_the_file_is_in_the_way(tmp_path: Path, capsys) -> None:
+    (tmp_path / "f.npz").write_bytes(b"")
+    for path in (tmp_path / "f.npz" / "ref.npz", tmp_path / "f.npz" / "sub" / "ref.npz"):
+        assert cli_main(["verify", "--save", str(path)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and f"{tmp_path / 'f.npz'} is a file, not a directory" in captured.err
+        assert "does not exist" not in captured.err
+
+
 def test_cli_rejects_conflicting_options(saved: Path, capsys) -> None:
     for extra in (["--steps", "3"], ["--seed", "1"], ["--save", "x.npz"]):
         with pytest.raises(SystemExit) as exc:
