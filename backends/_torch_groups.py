@@ -117,7 +117,26 @@ def core_key(group: dict) -> tuple:
         # and its comparisons guard a symbolic weight_decay or lr, so a value out of range retraces the step
         # and is refused there.
         validate_fismo_hparams(group, "")
-    key = (
+    key = _key_of(group)
+    if not torch.compiler.is_compiling() and not _hashable(key):
+        # A list written into a complete polar or inv_root dict (coefficients=[[a, b, c]]): stored as the
+        # constructor stores it, a tuple, where hashing the key raised "unhashable type: 'list'".
+        validate_fismo_hparams(group, "")
+        key = _key_of(group)
+    return _specialised(key) if torch.compiler.is_compiling() else key
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _key_of(group: dict) -> tuple:
+    """`core_key`'s tuple, as the group holds it."""
+    return (
         group["beta"],
         group["gamma"],
         group["mu"],
@@ -130,7 +149,6 @@ def core_key(group: dict) -> tuple:
         group.get("nonfinite", CORE_DEFAULTS.nonfinite),  # likewise
         group.get("block_size", CORE_DEFAULTS.block_size),  # likewise (None: full factors)
     )
-    return _specialised(key) if torch.compiler.is_compiling() else key
 
 
 def _stored_as_checked(group: dict) -> bool:
@@ -237,6 +255,26 @@ def check_group_settings(param_groups: list) -> None:
             if foreign:  # Muon's warm-up of group["momentum"], say: a key FISMO would keep and ignore
                 raise ValueError(str(foreign_keyword_error(f"{where} has keys, set since it was added,", foreign)))
         _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), where)
+
+
+def check_each_param_once(param_groups: list) -> None:
+    """Every parameter in one group, once: as `add_param_group` and ``torch.optim`` check when a group is added,
+    again at the step, for tensors appended to a group's ``params`` list since. A matrix listed twice in its
+    group had its update applied twice (its state advanced once); one listed in a FISMO and an AdamW group
+    raised torch's ``KeyError`` in the AdamW step, after the FISMO groups had stepped."""
+    if len({id(p) for group in param_groups for p in group["params"]}) == sum(len(g["params"]) for g in param_groups):
+        return  # the usual case: one set, no Python loop over the names
+    first: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) in first:
+                gj, j = first[id(p)]
+                raise ValueError(
+                    f"{param_name(param_groups[gj], j, gj, located=True)} is listed again as "
+                    f"{param_name(group, i, gi)} (appended to a group's 'params' since it was added); nothing "
+                    "was stepped. List each parameter once, in one group"
+                )
+            first[id(p)] = (gi, i)
 
 
 def check_states_fit(param_groups: list, state: Any) -> None:
@@ -709,7 +747,7 @@ def param_groups(
     dimensions that are no conv weight (a mixture of experts' stacked
     ``(experts, out, in)``, with a ``UserWarning``),
     ``nn.Embedding`` weights, complex tensors (FISMO is for real matrices),
-    the output head and every
+    empty tensors (a layer of width 0), the output head and every
     parameter for which ``adamw(name, p)`` is true go to an ``"adamw"`` group
     with ``adamw_options``; the other matrices (linear and conv weights) go to
     a FISMO group. Empty groups are left out.
@@ -763,7 +801,9 @@ def param_groups(
         # (experts, out, in)), which FISMO would optimise as one (experts, out * in) matrix.
         stack = p.ndim > 2 and not vector and id(p) not in conv_weights
         stacks += [f"{name} {tuple(p.shape)}"] if stack else []
-        other_rule = (p.ndim < 2 or vector or stack or id(p) in embedding_weights or torch.is_complex(p)
+        # An empty tensor (a layer of width 0, as a pruned or configurable model may have): no matrix to step.
+        other_rule = (p.ndim < 2 or p.numel() == 0 or vector or stack or id(p) in embedding_weights
+                      or torch.is_complex(p)
                       or (adamw is not None and adamw(name, p)))
         to_adamw = other_rule or id(p) in head_ids
         head_matrices += not other_rule and id(p) in head_ids  # on AdamW only because it is the head

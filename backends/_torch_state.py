@@ -206,7 +206,7 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
             )
         if algorithm != "fismo":
             for i, (index, p) in enumerate(zip(saved_group["params"], group["params"])):
-                _check_adamw_layout(saved_state.get(index) or {}, p, param_name(group, i, gi))
+                _check_adamw_layout(saved_state.get(index) or {}, p, param_name(group, i, gi), saved_group)
             continue
         block_size, saved_block_size = group.get("block_size"), saved_group.get("block_size")
         # Another block_size that splits none of the group's matrices differently (block_size >= both sides
@@ -230,9 +230,19 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
             _check_through_core(saved, p, block_size, param_name(group, i, gi))
 
 
-def _check_adamw_layout(saved: dict, p: torch.Tensor, name: str) -> None:
-    """An AdamW state saved in another layout (a plain tensor for a ``DTensor`` parameter, or the reverse)
-    loads, and ``torch.optim.AdamW``'s step then fails on it after the FISMO groups have stepped."""
+def _check_adamw_layout(saved: dict, p: torch.Tensor, name: str, saved_group: dict) -> None:
+    """An AdamW state that is incomplete or saved in another layout (a plain tensor for a ``DTensor``
+    parameter, or the reverse) loads, and ``torch.optim.AdamW``'s step then fails on it (a bare ``KeyError``
+    for a missing moment) after the FISMO groups have stepped."""
+    # torch.optim.AdamW starts an empty state itself; a started one needs all of these.
+    needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if saved_group.get("amsgrad") else ())
+    missing = [key for key in needed if key not in saved]
+    if saved and missing:
+        raise KeyError(
+            f"the checkpoint's AdamW state for {name} is not a complete AdamW state: missing {missing} "
+            f"(it has {sorted(saved)}); nothing was loaded. Drop the parameter's entry from the checkpoint's "
+            "'state' to start its AdamW state anew"
+        )
     for key, value in saved.items():
         if key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and isinstance(value, torch.Tensor) \
                 and value.shape != p.shape:

@@ -52,6 +52,7 @@ from ._torch_groups import (
     STEP_COUNT_DEVICE,
     adamw_group_step,
     adjusted_lr,
+    check_each_param_once,
     check_states_fit,
     check_group_settings,
     core_key,
@@ -463,6 +464,7 @@ class FISMO(Optimizer):
                 return
             self._static_shapes()
         check_group_settings(self.param_groups)
+        check_each_param_once(self.param_groups)
         check_states_fit(self.param_groups, self.state)
         checks = check_grads(self.param_groups, self.process_group)
         for group in self.param_groups:  # a block_size that splits a state otherwise: refused by that name first
@@ -599,6 +601,7 @@ class FISMO(Optimizer):
         warn_of_numpy_scalars(self.param_groups)
         try:
             check_group_settings(self.param_groups)
+            check_each_param_once(self.param_groups)
             check_states_fit(self.param_groups, self.state)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
             new = {id(g): self._stateless(g) for g in self.param_groups}

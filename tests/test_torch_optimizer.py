@@ -346,6 +346,42 @@ def test_param_groups_sends_complex_weights_to_adamw():
     FISMO([fismo, adamw])
 
 
+def test_param_groups_sends_empty_weights_to_adamw():
+    """A layer of width 0 went to the FISMO group, whose construction then refused it, telling the user to
+    move it to an AdamW group they never built (a user's hunt, 2026-12-02)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "Initializing zero-element tensors is a no-op"
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 0), torch.nn.Linear(0, 2),
+                                    torch.nn.Linear(2, 2))
+    fismo, adamw = param_groups(model, head=None)
+    assert fismo["params"] == [model[0].weight, model[3].weight]
+    assert {id(model[1].weight), id(model[2].weight)} <= {id(p) for p in adamw["params"]}
+    opt = FISMO([fismo, adamw])
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+
+
+def test_list_coefficients_written_after_construction_are_taken_as_the_constructor_takes_them():
+    """``coefficients`` written as lists into a group's complete ``polar`` dict raised ``TypeError: param
+    group 0: unhashable type: 'list'`` at the step, where the constructor takes the same lists (a user's
+    hunt, 2026-12-02). Stored as the constructor stores them; the step equals the constructor's."""
+    triples = [[3.4445, -4.775, 2.0315], [3.0, -3.2, 1.2]]
+
+    def run(later):
+        torch.manual_seed(0)
+        W = torch.nn.Parameter(torch.randn(5, 4))
+        opt = FISMO([W], lr=0.02, polar={} if later else {"coefficients": triples})
+        if later:
+            opt.param_groups[0]["polar"]["coefficients"] = triples
+        for _ in range(2):
+            W.grad = torch.randn_like(W)
+            opt.step()
+        return W.detach(), opt.param_groups[0]["polar"]["coefficients"]
+
+    (W_later, stored), (W_built, built) = run(True), run(False)
+    assert stored == built and isinstance(stored, tuple) and torch.equal(W_later, W_built)
+
+
 def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_anything_changes():
     """Values a user (or a scheduler) writes into ``param_groups`` after construction: a misspelt
     ``nonfinite`` passed as "propagate" (a NaN gradient then reached the weights), another ``block_size``
@@ -1107,6 +1143,56 @@ def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, w
         return W.detach()
 
     assert torch.equal(run(torch.tensor(0.02, dtype=torch.float64).reshape(lr_shape)), run(0.02))
+
+
+@pytest.mark.parametrize("appended_to", [0, 1])
+def test_a_parameter_appended_to_a_second_place_is_refused_at_the_step(appended_to):
+    """A matrix appended again to its FISMO group had its update applied twice (its state advanced once);
+    appended to an AdamW group too, the AdamW step raised a bare ``KeyError`` after the FISMO matrices had
+    stepped (a user's hunt, 2026-12-02). Refused before anything changes, as when the groups are built."""
+    torch.manual_seed(0)
+    W, V, b = (torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, 3)),
+               torch.nn.Parameter(torch.randn(4)))
+    opt = FISMO([{"params": [W, V]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
+    for p in (W, V, b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[appended_to]["params"].append(W)
+    before = [p.detach().clone() for p in (W, V, b)], copy.deepcopy(opt.state_dict())
+    index = len(opt.param_groups[appended_to]["params"]) - 1
+    with pytest.raises(ValueError, match=rf"parameter 0 of param group 0 \(shape \(4, 3\)\) is listed again as "
+                                         rf"parameter {index} of param group {appended_to} \(shape \(4, 3\)\)"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip((W, V, b), before[0]))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], before[1]["state"][i][k]) for i in before[1]["state"] for k in after[i])
+    opt.param_groups[appended_to]["params"].pop()
+    opt.step()  # the groups as they were step again
+
+
+@pytest.mark.parametrize("missing", ["exp_avg", "exp_avg_sq", "step", "max_exp_avg_sq"])
+def test_an_incomplete_adamw_state_is_refused_at_load(missing):
+    """A checkpoint whose AdamW state lacks a moment or its step count loaded, and the next step raised a
+    bare ``KeyError`` after the FISMO matrix had stepped (a user's hunt, 2026-12-02). Refused at load,
+    naming the parameter, with nothing loaded; an AdamW state never started (empty) still loads."""
+    torch.manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(5))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw", "amsgrad": True}], lr=0.02)
+    for p in (W, b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    del saved["state"][1][missing]
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(KeyError, match=rf"AdamW state for parameter 0 of param group 1 \(shape \(5,\)\) is not a "
+                                       rf"complete AdamW state: missing \['{missing}'\]"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][i][k], before["state"][i][k]) for i in (0, 1) for k in before["state"][i])
+    saved["state"][1] = {}
+    opt.load_state_dict(saved)
+    opt.step()  # AdamW starts that state anew, as torch.optim.AdamW does
+    assert set(opt.state[b]) >= {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 
 
 def test_an_adamw_state_of_another_shape_is_refused_at_load_and_at_the_step():
