@@ -763,6 +763,7 @@ def fismo(
     return _fismo_transformation(
         learning_rate, other, matrix_mask, matrix_shape, None, beta=beta, gamma=gamma, mu=mu, polar=polar,
         inv_root=inv_root, weight_decay=weight_decay, nesterov=nesterov, statistics=statistics, block_size=block_size,
+        name="fismo",
     )
 
 
@@ -890,6 +891,7 @@ def fismo_training(
         learning_rate, other, matrix_mask, matrix_shape, step_scale,
         beta=core.beta, gamma=core.gamma, mu=core.mu, polar=core.polar, inv_root=core.inv_root,
         weight_decay=core.weight_decay, nesterov=core.nesterov, statistics=core.statistics, block_size=core.block_size,
+        name="fismo_training",
     )
 
 
@@ -932,8 +934,10 @@ def _fismo_transformation(
     nesterov: bool,
     statistics: str,
     block_size: Optional[int],
+    name: str,
 ) -> optax.GradientTransformation:
-    """`fismo` and `fismo_training`: FISMO on the matrix leaves, ``other`` on the rest (``None``: refuse them).
+    """`fismo` and `fismo_training` (``name``, for messages): FISMO on the matrix leaves, ``other`` on the rest
+    (``None``: refuse them).
 
     ``step_scale(m, n)`` multiplies the step's learning rate of an ``m x n`` matrix (not its weight decay);
     ``None``: no scaling.
@@ -945,7 +949,8 @@ def _fismo_transformation(
     def labels(tree: Any) -> Any:
         mask = matrix_mask(tree) if callable(matrix_mask) else matrix_mask
         if mask is None:
-            out = jax.tree.map(lambda x: "fismo" if np.ndim(x) >= 2 else "non_matrix", tree)  # a Python float too
+            # A Python float too; an empty leaf (a LoRA adapter of rank 0) has no matrix to step.
+            out = jax.tree.map(lambda x: "fismo" if np.ndim(x) >= 2 and np.size(x) > 0 else "non_matrix", tree)
         else:
             # The mask leads, as in optax.masked: inside an optax.masked, ``tree`` holds an optax.MaskedNode
             # (a node without leaves) where the mask still holds a boolean.
@@ -983,7 +988,7 @@ def _fismo_transformation(
             block_size=block_size,
         )
     ]
-    matrix_tx.append(_line_9(learning_rate, weight_decay, matrix_shape, step_scale))
+    matrix_tx.append(_line_9(learning_rate, weight_decay, matrix_shape, step_scale, name=name))
     transforms = {"fismo": optax.chain(*matrix_tx), "non_matrix": other if other is not None else optax.identity()}
     return _scalars_beside_the_params(optax.partition(transforms, labels))
 
@@ -1050,6 +1055,8 @@ def _line_9(
     weight_decay: float,
     matrix_shape: MatrixShape = default_matrix_shape,
     step_scale: Optional[Callable[[int, int], float]] = None,
+    *,
+    name: str = "fismo",
 ) -> optax.GradientTransformation:
     """Line 9 with decoupled weight decay as optax updates, by the core's rule ``line_9_factors``.
 
@@ -1070,7 +1077,10 @@ def _line_9(
 
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         if weight_decay and params is None:
-            raise ValueError("fismo(weight_decay=...) needs the params: call tx.update(grads, state, params)")
+            raise ValueError(
+                f"{name} with weight_decay={weight_decay!r} needs the params, which the decay shrinks: call "
+                f"tx.update(grads, state, params), or build it with weight_decay=0"
+            )
         lr = learning_rate(state.count) if scheduled else learning_rate
 
         def coefficient(c: Any, x: Any) -> Any:

@@ -442,6 +442,28 @@ def test_optax_non_matrix_rules() -> None:
         fismo(0.02, non_matrix=0.1)
 
 
+def test_optax_empty_leaves_go_to_non_matrix_and_the_no_params_error_names_the_factory() -> None:
+    """An empty 2-D leaf (a LoRA adapter of rank 0) went to FISMO by default and ``init`` refused it; and
+    ``fismo_training``'s update without params said ``fismo(weight_decay=...)``, a function and keyword the
+    user had not called (its weight decay is 0.1 by default) (a user's hunt, 2026-12-02)."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo, fismo_training
+
+    params = {"w": jnp.ones((4, 3), jnp.float32), "lora": jnp.ones((0, 3), jnp.float32)}
+    grads = {k: jnp.full(v.shape, 0.5, v.dtype) for k, v in params.items()}
+    tx = fismo(0.02, non_matrix=optax.sgd(0.1))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert updates["lora"].shape == (0, 3) and bool(jnp.all(jnp.isfinite(updates["w"])))
+    with pytest.raises(ValueError, match=r"with no entries"):  # sent to FISMO by the mask: refused, as before
+        fismo(0.02, matrix_mask={"w": True, "lora": True}).init(params)
+    dense = {"w": params["w"]}
+    for factory, decay in ((fismo_training(0.02), 0.1),
+                           (fismo(0.02, weight_decay=0.01), 0.01)):
+        name = "fismo_training" if decay == 0.1 else "fismo"
+        with pytest.raises(ValueError, match=rf"^{name} with weight_decay={decay} needs the params"):
+            factory.update({"w": grads["w"]}, factory.init(dense))
+
+
 def test_optax_pytree_matrix_mask_inside_optax_masked() -> None:
     """Inside ``optax.masked`` the leaves it masks out are ``optax.MaskedNode``s (no leaves) where a pytree
     ``matrix_mask`` still holds a boolean: ``fismo`` raised a pytree structure error at init. The mask now
