@@ -26,6 +26,7 @@ import numbers
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 from array_api_compat import array_namespace, is_array_api_obj
@@ -507,6 +508,13 @@ def _as_config(value: Any, config_type: type, name: str) -> Any:
     if isinstance(value, str):
         return config_type(method=value)
     if isinstance(value, dict):
+        names = [f.name for f in dataclass_fields(config_type)]
+        unknown = {k: v for k, v in value.items() if k not in names}
+        if unknown:  # Python's "unexpected keyword argument", which named neither the option nor its fields
+            if config_type is PolarConfig and set(unknown) <= set(guards.MUON_POLAR_KEYWORDS):
+                raise guards.foreign_keyword_error(f"{name}={{...}} has keys", unknown)
+            raise TypeError(f"{name} has unknown keys {sorted(map(str, unknown))}: "
+                            f"{config_type.__name__} has the fields {names}")
         return config_type(**value)
     raise TypeError(f"{name} must be a {config_type.__name__}, a method name or a dict of its fields, got {value!r}")
 

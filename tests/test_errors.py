@@ -329,7 +329,12 @@ HYPERPARAMETER_ERRORS = [
     ({"polar": {"coefficients": [(math.nan, 0.0, 0.0)]}}, ValueError, r"coefficients must be finite"),
     ({"polar": {"eps": 0.0}}, ValueError, r"polar eps must lie in \(0\.0, inf\), got 0\.0"),
     ({"polar": {"eps": math.inf}}, ValueError, r"polar eps must be a finite real number, got inf"),
-    ({"polar": {"stepz": 5}}, TypeError, r"unexpected keyword argument 'stepz'"),
+    # Python said "PolarConfig.__init__() got an unexpected keyword argument", naming neither the option nor
+    # its fields, and Muon's names got no FISMO spelling inside the dict (a newcomer's hunt, 2026-12-02).
+    ({"polar": {"stepz": 5}}, TypeError, r"polar has unknown keys \['stepz'\]: PolarConfig has the fields "
+                                         r"\['method', 'steps', "),
+    ({"polar": {"ns_steps": 5}}, TypeError, r"polar=\{\.\.\.\} has keys of other optimizers.*polar=PolarConfig\(steps=5\)"),
+    ({"inv_root": {"eps": 0}}, TypeError, r"inv_root has unknown keys \['eps'\]: InverseRootConfig has the fields"),
     ({"polar": 5}, TypeError, r"polar must be a PolarConfig, a method name or a dict of its fields, got 5"),
     ({"polar": None}, TypeError, r"polar must be a PolarConfig.*got None"),
     ({"polar": InverseRootConfig()}, TypeError, r"polar must be a PolarConfig"),
