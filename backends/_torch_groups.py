@@ -680,6 +680,17 @@ def _weight_parameters(m: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [weight] if weight is not None else []
 
 
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside ``torch.compile``'s and DDP's wrappers (either, both, in either order)."""
+    while True:
+        if isinstance(module, _OptimizedModule):
+            module = module._orig_mod
+        elif isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module
+        else:
+            return module
+
+
 def _head_parameters(module: torch.nn.Module, head: HeadSpec) -> tuple[set[int], Optional[str]]:
     """The ids of the output head's parameters under ``param_groups``' ``head`` rule, and the head's name."""
     if head is None:
@@ -687,7 +698,7 @@ def _head_parameters(module: torch.nn.Module, head: HeadSpec) -> tuple[set[int],
     if isinstance(head, str) and head == "auto":
         # A Hugging Face model names its head; the last nn.Linear is not always it (VisionEncoderDecoderModel
         # defines enc_to_dec_proj after the decoder and its lm_head).
-        named_head = getattr(module, "get_output_embeddings", None)
+        named_head = getattr(_unwrapped(module), "get_output_embeddings", None)  # DDP's wrapper has none
         found = named_head() if callable(named_head) else None
         if isinstance(found, torch.nn.Linear):
             name = next((n for n, m in module.named_modules() if m is found), None)
@@ -701,21 +712,23 @@ def _head_parameters(module: torch.nn.Module, head: HeadSpec) -> tuple[set[int],
             return set(), None
         return {id(p) for p in last[1].parameters()}, repr(last[0]) if last[0] else "the module itself"
     if isinstance(head, str):
-        # A torch.compile'd model names everything "_orig_mod." first; a name is the model's own.
-        module = getattr(module, "_orig_mod", module) if isinstance(module, _OptimizedModule) else module
-        named = dict(module.named_parameters())
+        # A torch.compile'd model names everything "_orig_mod." first, a DDP one "module.": a name is the
+        # model's own (the wrapper's, as named_parameters() gives it, is taken too).
+        inner = _unwrapped(module)
+        named = {**dict(module.named_parameters()), **dict(inner.named_parameters())}
         if head in named:
             return {id(named[head])}, repr(head)
-        try:
-            sub = module.get_submodule(head)
-        except AttributeError:
-            linears = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
-            raise ValueError(
-                f"head={head!r} is neither a submodule nor a parameter of the module; its nn.Linear "
-                f"submodules are {linears}. Pass a name, the head module or parameter itself, "
-                "'auto' (the last nn.Linear) or None (no head rule)"
-            ) from None
-        return {id(p) for p in sub.parameters()}, repr(head)
+        for owner in (inner, module):
+            try:
+                return {id(p) for p in owner.get_submodule(head).parameters()}, repr(head)
+            except AttributeError:
+                pass
+        linears = [n for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
+        raise ValueError(
+            f"head={head!r} is neither a submodule nor a parameter of the module; its nn.Linear "
+            f"submodules are {linears}. Pass a name, the head module or parameter itself, "
+            "'auto' (the last nn.Linear) or None (no head rule)"
+        )
     if isinstance(head, torch.nn.Parameter):
         if not any(p is head for p in module.parameters()):
             raise ValueError(f"head is a parameter of shape {tuple(head.shape)} that is not in the module")

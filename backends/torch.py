@@ -217,6 +217,21 @@ class FISMO(Optimizer):
             )
         if process_group is not None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise RuntimeError("process_group was given but torch.distributed is not initialised")
+        if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
+            # Refused here, not at the first step, where torch raised of another thing ("Group DeviceMesh(...)
+            # is not registered", "'bool' object has no attribute 'size'").
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if isinstance(process_group, DeviceMesh):
+                raise TypeError(
+                    f"process_group is a DeviceMesh ({process_group}); FISMO takes its process group: "
+                    "process_group=mesh.get_group() (a 1-D mesh, for DDP). FSDP2, HSDP and tensor parallelism "
+                    "need none: their DTensor parameters carry their mesh"
+                )
+            raise TypeError(
+                "process_group must be a torch.distributed.ProcessGroup (torch.distributed.group.WORLD, or one "
+                f"made by torch.distributed.new_group) or None, got {type(process_group).__name__}"
+            )
         self.process_group = process_group
         defaults = {
             "algorithm": "fismo",

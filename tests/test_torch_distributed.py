@@ -677,6 +677,53 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+def test_a_process_group_that_is_not_one_is_refused_when_built(one_rank_group):
+    """A ``DeviceMesh`` (what FSDP2 users hold), ``True`` or a list of ranks was accepted and the first step
+    raised torch's errors of another thing ("Group DeviceMesh(...) is not registered", "'bool' object has
+    no attribute 'size'", "unhashable type: 'list'") (a user's hunt, 2026-12-02)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fismo_core.backends.torch import FISMO
+
+    W = torch.nn.Parameter(torch.randn(4, 3))
+    mesh = init_device_mesh("cpu", (1,))
+    with pytest.raises(TypeError, match=r"process_group is a DeviceMesh .*process_group=mesh\.get_group\(\)"):
+        FISMO([W], process_group=mesh)
+    for wrong, kind in ((True, "bool"), ([0], "list")):
+        with pytest.raises(TypeError, match=rf"process_group must be a torch\.distributed\.ProcessGroup .* got {kind}"):
+            FISMO([W], process_group=wrong)
+    opt = FISMO([W], process_group=mesh.get_group())
+    W.grad = torch.randn_like(W)
+    opt.step()
+
+
+def test_param_groups_sees_through_ddp_to_the_models_own_head(one_rank_group):
+    """``param_groups(ddp_model)`` missed a model's ``get_output_embeddings`` (the wrapper has none) and put
+    the named head on FISMO and the last ``nn.Linear`` on AdamW, silently (a user's hunt, 2026-12-02); a
+    head named as the model names it was refused. The wrapper's groups are the model's now."""
+    from fismo_core.backends.torch import param_groups
+
+    class HeadFirst(torch.nn.Module):  # defines its head first, and says which it is, as Hugging Face models do
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 7, bias=False)
+            self.a, self.proj = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    model = HeadFirst()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+
+    def ids(groups):
+        return [[id(p) for p in g["params"]] for g in groups]
+
+    assert ids(param_groups(ddp)) == ids(param_groups(model))
+    assert ids(param_groups(model))[0] == [id(model.a.weight), id(model.proj.weight)]
+    for head in ("lm_head", "module.lm_head", "lm_head.weight", "module.lm_head.weight"):
+        assert ids(param_groups(ddp, head=head)) == ids(param_groups(model, head="lm_head")), head
+
+
 @pytest.mark.parametrize("layout", ["shard-twice", "partial"])
 def test_unsupported_dtensor_layouts_are_refused_with_what_is_supported(one_rank_group, layout):
     """A matrix sharded on two mesh dimensions (FSDP2 combined with tensor parallelism) or held as a

@@ -1145,6 +1145,25 @@ def test_a_float64_tensor_lr_gives_the_float_lrs_parameters_bit_for_bit(dtype, w
     assert torch.equal(run(torch.tensor(0.02, dtype=torch.float64).reshape(lr_shape)), run(0.02))
 
 
+def test_a_step_0_get_optimizer_state_dict_leaves_the_states_and_counts_one_step():
+    """What docs/torch.md says of a step-0 DCP checkpoint: torch's ``_init_optim_state`` steps the optimizer
+    with zero gradients at lr 0, which leaves FISMO's states as a first step starts them and counts a step."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5, bias=False), torch.nn.Linear(5, 3, bias=False))
+    opt = FISMO(model.parameters(), inv_root={"every": 2})
+    W = model[0].weight.detach().clone()
+    get_optimizer_state_dict(model, opt)
+    state = opt.state[model[0].weight]
+    assert torch.equal(model[0].weight, W) and state["step"].item() == 1
+    for key, expected in (("P", torch.eye(5)), ("Q", torch.eye(4)), ("P_inv_sqrt", torch.eye(5)),
+                          ("Q_inv_sqrt", torch.eye(4)), ("M", torch.zeros(5, 4))):
+        # float32, a few roundings (the EMA of a multiple of I, its trace normalisation, eigh's root of it):
+        # a few ulps at most, whatever order a CPU's kernels sum in.
+        torch.testing.assert_close(state[key], expected, rtol=0, atol=4 * torch.finfo(torch.float32).eps, msg=key)
+
+
 @pytest.mark.parametrize("appended_to", [0, 1])
 def test_a_parameter_appended_to_a_second_place_is_refused_at_the_step(appended_to):
     """A matrix appended again to its FISMO group had its update applied twice (its state advanced once);
