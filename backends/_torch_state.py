@@ -19,6 +19,7 @@ Every check raises before any parameter or state is touched.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -40,7 +41,15 @@ from ._torch_distributed import (
     local_tensor,
     shard_group,
 )
-from ._torch_groups import CORE_DEFAULTS, STEP_COUNT_DEVICE, param_name, scalar_dtype
+from ._torch_groups import (
+    CORE_DEFAULTS,
+    STEP_COUNT_DEVICE,
+    check_group_settings,
+    core_key,
+    make_core,
+    param_name,
+    scalar_dtype,
+)
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
 #: blocks (``block_size``) keeps its full blocks ``(k, B, B)`` under these names and its
@@ -228,6 +237,30 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
             if not saved:
                 continue
             _check_through_core(saved, p, block_size, param_name(group, i, gi))
+
+
+def check_loaded_settings(param_groups: list, saved_groups: list) -> None:
+    """The hyperparameters ``load_state_dict`` takes from the checkpoint, checked as the next step checks them,
+    before anything is loaded: a ``gamma`` of 2, a misspelt ``nonfinite`` or AdamW's ``betas`` in a FISMO
+    group loaded, replacing the optimizer's, and only the next step refused them."""
+    if len(saved_groups) != len(param_groups):
+        return  # Optimizer.load_state_dict raises its own error
+    loaded = [
+        {**copy.deepcopy({k: v for k, v in saved.items() if k != "params"}), "params": group["params"]}
+        for saved, group in zip(saved_groups, param_groups)
+    ]
+    complete_loaded_state({}, loaded)  # what a checkpoint of an older version gets on load
+    try:
+        check_group_settings(loaded)
+        for index, group in enumerate(loaded):
+            if group["algorithm"] == "fismo":
+                try:
+                    make_core(core_key(group))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"param group {index}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"the checkpoint's settings would be refused by the next step; nothing was loaded: {exc}") \
+            from exc
 
 
 def _check_adamw_layout(saved: dict, p: torch.Tensor, name: str, saved_group: dict) -> None:

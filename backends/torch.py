@@ -77,6 +77,7 @@ from ._torch_state import (
     WENT_ON,
     agreed_refusal,
     check_grads,
+    check_loaded_settings,
     check_saved_state,
     complete_loaded_state,
     exported_state,
@@ -369,6 +370,7 @@ class FISMO(Optimizer):
         placements = self._placements(laid_out=False)
         saved_state, base_state = full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)
         check_saved_state(self.param_groups, saved_state, saved_groups)
+        check_loaded_settings(self.param_groups, saved_groups)
         hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
         try:

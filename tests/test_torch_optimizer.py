@@ -1189,6 +1189,34 @@ def test_a_parameter_appended_to_a_second_place_is_refused_at_the_step(appended_
     opt.step()  # the groups as they were step again
 
 
+@pytest.mark.parametrize("group, key, value, match", [
+    (0, "gamma", 2.0, r"param group 0: gamma must lie in \[0\.0, 1\.0\], got 2\.0"),
+    (0, "nonfinite", "bogus", r"nonfinite must be 'raise', 'skip' or 'propagate', got 'bogus'"),
+    (0, "betas", (0.9, 0.99), r"param group 0 is a FISMO group and AdamW's \['betas'\]"),
+    (0, "polar", {"steps": 0}, r"param group 0: .*steps"),
+    (1, "lr", -1.0, r"param group 1: invalid AdamW lr -1\.0"),
+])
+def test_a_checkpoints_bad_settings_are_refused_at_load(group, key, value, match):
+    """``load_state_dict`` takes the checkpoint's hyperparameters: a ``gamma`` of 2, a misspelt ``nonfinite``
+    or AdamW's ``betas`` in a FISMO group replaced the optimizer's, and only the next step refused them (a
+    user's hunt, 2026-12-02). Refused at load with the step's message, nothing loaded."""
+    torch.manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(5))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
+    for p in (W, b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][group][key] = value
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises((TypeError, ValueError), match=r"^the checkpoint's settings would be refused by the next "
+                                                      r"step; nothing was loaded: .*" + match):
+        opt.load_state_dict(saved)
+    assert opt.state_dict()["param_groups"] == before["param_groups"]
+    assert torch.equal(opt.state[W]["P"], before["state"][0]["P"])
+    opt.step()
+
+
 @pytest.mark.parametrize("missing", ["exp_avg", "exp_avg_sq", "step", "max_exp_avg_sq"])
 def test_an_incomplete_adamw_state_is_refused_at_load(missing):
     """A checkpoint whose AdamW state lacks a moment or its step count loaded, and the next step raised a
