@@ -502,13 +502,18 @@ class StepLines(NamedTuple):
     """Line 9: ``W_t``."""
 
 
+_CONFIG_FIELDS: dict[type, list[str]] = {
+    config: [f.name for f in dataclass_fields(config)] for config in (PolarConfig, InverseRootConfig)
+}
+
+
 def _as_config(value: Any, config_type: type, name: str) -> Any:
     if isinstance(value, config_type):
         return value
     if isinstance(value, str):
         return config_type(method=value)
     if isinstance(value, dict):
-        names = [f.name for f in dataclass_fields(config_type)]
+        names = _CONFIG_FIELDS[config_type]  # read once: dynamo cannot trace dataclasses.fields
         unknown = {k: v for k, v in value.items() if k not in names}
         if unknown:  # Python's "unexpected keyword argument", which named neither the option nor its fields
             if config_type is PolarConfig and set(unknown) <= set(guards.MUON_POLAR_KEYWORDS):
