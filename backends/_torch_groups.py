@@ -117,26 +117,7 @@ def core_key(group: dict) -> tuple:
         # and its comparisons guard a symbolic weight_decay or lr, so a value out of range retraces the step
         # and is refused there.
         validate_fismo_hparams(group, "")
-    key = _key_of(group)
-    if not torch.compiler.is_compiling() and not _hashable(key):
-        # A list written into a complete polar or inv_root dict (coefficients=[[a, b, c]]): stored as the
-        # constructor stores it, a tuple, where hashing the key raised "unhashable type: 'list'".
-        validate_fismo_hparams(group, "")
-        key = _key_of(group)
-    return _specialised(key) if torch.compiler.is_compiling() else key
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _key_of(group: dict) -> tuple:
-    """`core_key`'s tuple, as the group holds it."""
-    return (
+    key = (
         group["beta"],
         group["gamma"],
         group["mu"],
@@ -149,6 +130,7 @@ def _key_of(group: dict) -> tuple:
         group.get("nonfinite", CORE_DEFAULTS.nonfinite),  # likewise
         group.get("block_size", CORE_DEFAULTS.block_size),  # likewise (None: full factors)
     )
+    return _specialised(key) if torch.compiler.is_compiling() else key
 
 
 def _stored_as_checked(group: dict) -> bool:
@@ -159,10 +141,20 @@ def _stored_as_checked(group: dict) -> bool:
     no host read.)"""
     lr = group["lr"]
     return (all(type(group[name]) is float for name in ("gamma", "mu", "weight_decay"))
+            # Coefficients written as lists ([[a, b, c]]) are stored as tuples, as the constructor stores them:
+            # the key is hashed (the step raised "unhashable type: 'list'", and compiled, an AssertionError).
+            and all(_stored_coefficients(group[name]["coefficients"]) for name in ("polar", "inv_root"))
             and (type(group["beta"]) is float or isinstance(group["beta"], torch.Tensor))
             and 0.0 <= group["weight_decay"] < math.inf
             and (lr.numel() == 1 if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr < math.inf)
             and group["adjust_lr_fn"] in ADJUST_LR_FNS)
+
+
+def _stored_coefficients(coefficients: Any) -> bool:
+    """Whether Newton–Schulz ``coefficients`` are as the constructor stores them: a name, ``None`` or a tuple
+    of tuples."""
+    return coefficients is None or type(coefficients) is str or (
+        type(coefficients) is tuple and all(type(triple) is tuple for triple in coefficients))
 
 
 def _specialised(value: Any) -> Any:
@@ -215,13 +207,14 @@ def make_core(key: tuple) -> _CoreFISMO:
 
 
 # ---------------------------------------------------------------- validation
-def check_group_settings(param_groups: list) -> None:
+def check_group_settings(param_groups: list, source: str = "since it was added") -> None:
     """The settings of every group that a step reads and no core checks, as they may have been written since
     the group was added: its ``algorithm`` (fixed when the group is added: an AdamW group has AdamW's keys, a
     FISMO group FISMO's), its ``nonfinite`` policy, and an AdamW group's ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` (AdamW groups make no core that would check them; a FISMO group's other values are
     checked by `core_key`). Before anything changes: torch's AdamW would raise some of them in its step, after
-    the FISMO groups before it have stepped."""
+    the FISMO groups before it have stepped. ``source``: where the messages say a value came from (a
+    checkpoint's groups, at ``load_state_dict``)."""
     for index, group in enumerate(param_groups):
         where = f"param group {index}"
         # A FISMO group holds FISMO's keys from the start (route_group; "beta", "gamma" and "mu" since the
@@ -235,25 +228,25 @@ def check_group_settings(param_groups: list) -> None:
         if added_as == "adamw":
             wrong = [k for k in FISMO_ONLY_KEYS if k in group]
             if wrong:
-                raise ValueError(f"{where} is an 'adamw' group and FISMO's {wrong} was set in it since it was "
-                                 "added; AdamW groups have no such setting (set it in the FISMO groups only)")
+                raise ValueError(f"{where} is an 'adamw' group and FISMO's {wrong} was set in it {source}; "
+                                 "AdamW groups have no such setting (set it in the FISMO groups only)")
             if not _adamw_stored_as_checked(group):
                 validate_adamw_hparams(group, where)  # raises, or stores NumPy scalars as floats
             # As route_group refuses them: kept and not honoured. Not "capturable": dynamo's view of every
             # group of a traced torch.optim optimizer has capturable=True (OptimizerVariable._set_capturable).
             unsupported = {k: group[k] for k in ("fused", "differentiable") if group.get(k)}
             if unsupported:
-                raise ValueError(f"{where} is an 'adamw' group and {unsupported} was set since; AdamW groups "
+                raise ValueError(f"{where} is an 'adamw' group and {unsupported} was set {source}; AdamW groups "
                                  "step as torch.optim.AdamW with fused=False, capturable=False, differentiable=False")
         else:
             wrong = [k for k in ADAMW_ONLY_KEYS if k in group]
             if wrong:  # a schedule of AdamW's betas written into every group, say
-                raise ValueError(f"{where} is a FISMO group and AdamW's {wrong} was set in it since it was added; "
+                raise ValueError(f"{where} is a FISMO group and AdamW's {wrong} was set in it {source}; "
                                  "FISMO groups have no such setting (set it in the 'adamw' groups only)")
             foreign = {k: group[k] for k in (*MUON_POLAR_KEYWORDS, *MUON_KEYWORDS)
                        if k in group and k not in FISMO_ONLY_KEYS}
             if foreign:  # Muon's warm-up of group["momentum"], say: a key FISMO would keep and ignore
-                raise ValueError(str(foreign_keyword_error(f"{where} has keys, set since it was added,", foreign)))
+                raise ValueError(str(foreign_keyword_error(f"{where} has keys, set {source},", foreign)))
         _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), where)
 
 
@@ -393,7 +386,7 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
         raise ValueError(f"{where}: AdamW betas must be two numbers in [0, 1), got {betas!r}")
     if not 0.0 <= group["weight_decay"]:
         raise ValueError(f"{where}: invalid AdamW weight_decay {group['weight_decay']!r}")
-    _guards.check_nonfinite_policy(group["nonfinite"], where)
+    _guards.check_nonfinite_policy(group.get("nonfinite", CORE_DEFAULTS.nonfinite), where)  # older checkpoints: none
     # Python floats (a NumPy scalar as given, np.float64), so that a state_dict loads with
     # torch.load(weights_only=True), as in FISMO groups (torch.optim.AdamW keeps them as given).
     for name in ("lr", "eps", "weight_decay"):
@@ -681,11 +674,11 @@ def _weight_parameters(m: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside ``torch.compile``'s and DDP's wrappers (either, both, in either order)."""
+    """The model inside ``torch.compile``'s, DDP's and ``DataParallel``'s wrappers (any, nested in any order)."""
     while True:
         if isinstance(module, _OptimizedModule):
             module = module._orig_mod
-        elif isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        elif isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             module = module.module
         else:
             return module
@@ -761,7 +754,8 @@ def param_groups(
     ``(experts, out, in)``, with a ``UserWarning``),
     ``nn.Embedding`` weights, complex tensors (FISMO is for real matrices),
     empty tensors (a layer of width 0), the output head and every
-    parameter for which ``adamw(name, p)`` is true go to an ``"adamw"`` group
+    parameter for which ``adamw(name, p)`` is true (``name`` as the model names
+    it, also through DDP's and ``torch.compile``'s wrappers) go to an ``"adamw"`` group
     with ``adamw_options``; the other matrices (linear and conv weights) go to
     a FISMO group. Empty groups are left out.
 
@@ -775,8 +769,9 @@ def param_groups(
       model that defines its head before other linear layers needs an
       explicit ``head``. A model without ``nn.Linear`` has no head here.
     - a name: a submodule (``"lm_head"``) or a parameter (``"lm_head.weight"``),
-      as the model names it (also when ``module`` is ``torch.compile(model)``);
-      an ``nn.Module`` or ``nn.Parameter`` of the model works too.
+      as the model names it (also when ``module`` is ``torch.compile(model)``
+      or wrapped by DDP, whose prefixed names work too); an ``nn.Module`` or
+      ``nn.Parameter`` of the model works too.
     - ``None``: no head rule; every matrix but embeddings goes to FISMO.
 
     A ``UserWarning`` says so when the head rule leaves no matrix for FISMO
@@ -801,7 +796,8 @@ def param_groups(
     others: list[torch.nn.Parameter] = []
     stacks: list[str] = []
     head_matrices = 0
-    for name, p in module.named_parameters():
+    # The names the model gives (not DDP's "module." or torch.compile's "_orig_mod."), for adamw(name, p).
+    for name, p in _unwrapped(module).named_parameters():
         if not p.requires_grad:
             continue
         _refuse_uninitialised(p, f"param_groups: {name!r}")

@@ -251,16 +251,20 @@ def check_loaded_settings(param_groups: list, saved_groups: list) -> None:
     ]
     complete_loaded_state({}, loaded)  # what a checkpoint of an older version gets on load
     try:
-        check_group_settings(loaded)
+        check_group_settings(loaded, source="by the checkpoint")
         for index, group in enumerate(loaded):
             if group["algorithm"] == "fismo":
                 try:
                     make_core(core_key(group))
                 except (TypeError, ValueError) as exc:
                     raise type(exc)(f"param group {index}: {exc}") from exc
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"the checkpoint's settings would be refused by the next step; nothing was loaded: {exc}") \
-            from exc
+    except (TypeError, ValueError, KeyError) as exc:
+        why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise type(exc)(
+            f"the checkpoint's settings would be refused by the next step; nothing was loaded: {why}. Fix them in "
+            "the checkpoint's 'param_groups' before loading (a load_state_dict pre-hook can: post-hooks run after "
+            "the load)"
+        ) from exc
 
 
 def _check_adamw_layout(saved: dict, p: torch.Tensor, name: str, saved_group: dict) -> None:

@@ -9,7 +9,7 @@ and reshapes them.
 
 Which leaves FISMO optimizes
 ----------------------------
-* Leaves with ``ndim >= 2`` ("matrix leaves") use FISMO. A leaf of more than
+* Leaves with ``ndim >= 2`` and at least one entry ("matrix leaves") use FISMO. A leaf of more than
   two dimensions is optimized as the matrix ``matrix_shape(leaf.shape)``,
   by default ``(shape[0], prod(shape[1:]))``: the leading axis is the output
   axis, as in Muon's handling of PyTorch ``(out, in, kh, kw)`` convolution
@@ -22,7 +22,7 @@ Which leaves FISMO optimizes
   of ``optax.contrib.muon``; ``"error"`` refuses them; any other
   ``GradientTransformation`` is used as given on those leaves only.
 * ``matrix_mask`` (a pytree of booleans like the params, or a function of the
-  params returning one) overrides the ``ndim >= 2`` rule: ``False`` sends a
+  params returning one) overrides that rule: ``False`` sends a
   matrix (an embedding, an output head) to ``non_matrix``.
 
 Each matrix leaf keeps its own :class:`fismo_core.FISMOState`. Everything is
@@ -729,7 +729,8 @@ def fismo(
         one): ``True`` leaves use FISMO (they need ``ndim >= 2``), ``False``
         leaves go to ``non_matrix``. It may be a prefix of the params, as
         ``optax.masked``'s mask: one boolean for a whole subtree.
-        Default: ``leaf.ndim >= 2``.
+        Default: ``leaf.ndim >= 2 and leaf.size > 0`` (an empty leaf, a LoRA
+        adapter of rank 0, has no matrix to step).
     matrix_shape:
         The matrix a leaf of more than two dimensions is optimized as;
         ``None`` (default): `default_matrix_shape`, ``(shape[0], prod(shape[1:]))``.
@@ -1079,7 +1080,7 @@ def _line_9(
         if weight_decay and params is None:
             raise ValueError(
                 f"{name} with weight_decay={weight_decay!r} needs the params, which the decay shrinks: call "
-                f"tx.update(grads, state, params), or build it with weight_decay=0"
+                "tx.update(grads, state, params), or build it with weight_decay=0"
             )
         lr = learning_rate(state.count) if scheduled else learning_rate
 

@@ -223,6 +223,12 @@ class FISMO(Optimizer):
             # is not registered", "'bool' object has no attribute 'size'").
             from torch.distributed.device_mesh import DeviceMesh
 
+            if type(process_group) is int and process_group == torch.distributed.GroupMember.NON_GROUP_MEMBER:
+                raise TypeError(
+                    f"process_group is GroupMember.NON_GROUP_MEMBER: this rank ({torch.distributed.get_rank()}) is "
+                    "not in the group (new_group returns it on the ranks it leaves out); give each rank the group "
+                    "it belongs to"
+                )
             if isinstance(process_group, DeviceMesh):
                 raise TypeError(
                     f"process_group is a DeviceMesh ({process_group}); FISMO takes its process group: "
@@ -621,6 +627,9 @@ class FISMO(Optimizer):
             check_each_param_once(self.param_groups)
             check_states_fit(self.param_groups, self.state)
             cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
+            for g in self.param_groups:  # _core_for checks this eagerly only; traced, the core raised, unnamed
+                if g["algorithm"] == "fismo":
+                    self._check_states_fit(g, cores[id(g)])
             new = {id(g): self._stateless(g) for g in self.param_groups}
             for g in self.param_groups:
                 if g["algorithm"] == "fismo":

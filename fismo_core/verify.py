@@ -733,8 +733,8 @@ def main(
     if importlib.util.find_spec("numpy") is None:
         print("fismo verify: needs NumPy, the reference backend: pip install 'fismo[numpy]'", file=err)
         return 2
-    if save is not None and not Path(save).resolve().parent.is_dir():
-        parent = Path(save).resolve().parent
+    parent = None if save is None else Path(save).resolve().parent
+    if parent is not None and not parent.is_dir():
         blocking = next((p for p in (parent, *parent.parents) if p.exists()), None)
         why = f"{blocking} is a file, not a directory" if blocking is not None and not blocking.is_dir() \
             else f"directory {parent} does not exist"
@@ -743,8 +743,8 @@ def main(
     if save is not None and Path(save).is_dir():  # refused before the run, not after it
         print(f"fismo verify: cannot write {save}: it is a directory (give a file name, e.g. {Path(save) / 'reference.npz'})", file=err)
         return 2
-    if save is not None and (reason := cannot_write_in(Path(save).resolve().parent)) is not None:
-        print(f"fismo verify: cannot write {save}: {reason} in {Path(save).resolve().parent}", file=err)
+    if parent is not None and (reason := cannot_write_in(parent)) is not None:
+        print(f"fismo verify: cannot write {save}: {reason} in {parent}", file=err)
         return 2
     if against is not None:
         try:

@@ -466,6 +466,27 @@ def test_a_bad_value_set_between_compiled_steps_is_refused_before_anything_chang
     assert not torch.equal(W, before[0]) and not torch.equal(b, before[1])
 
 
+def test_a_block_size_set_between_fullgraph_steps_is_refused_by_name_before_anything_changes():
+    """Another ``block_size`` written between ``fullgraph`` steps raised dynamo's ``Unsupported: Observed
+    exception`` (the core's unnamed shape error inside the trace), which ``except ValueError`` missed; the
+    eager step's check of the states' blocks ran eagerly only (a user's hunt, 2026-12-02). The new trace
+    refuses it in ``_init_group`` with the eager message."""
+    W = torch.nn.Parameter(torch.ones(16, 8, dtype=torch.float64))
+    opt = FISMO([W], lr=0.1, nonfinite="propagate")
+    step = torch.compile(opt.step, backend="eager", fullgraph=True)
+    W.grad = torch.full((16, 8), 0.5, dtype=torch.float64)
+    step()
+    before = W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()}
+    opt.param_groups[0]["block_size"] = 8
+    with pytest.raises(ValueError, match=r"block_size=8 splits parameter 0 of param group 0 \(shape \(16, 8\)\) "
+                                         r"into other blocks than its state has"):
+        step()
+    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+    opt.param_groups[0]["block_size"] = None
+    step()
+    assert not torch.equal(W, before[0])
+
+
 @pytest.mark.parametrize("setting, values", [("weight_decay", (0.1, 0.1, 0.2)), ("gamma", (0.9, 0.9, 0.95))])
 def test_a_numpy_scalar_written_between_compiled_steps_is_stored_as_the_float_and_recompiles(setting, values):
     """A NumPy scalar written into a group (a schedule computed with NumPy) is stored as a Python float while

@@ -689,6 +689,8 @@ def test_a_process_group_that_is_not_one_is_refused_when_built(one_rank_group):
     mesh = init_device_mesh("cpu", (1,))
     with pytest.raises(TypeError, match=r"process_group is a DeviceMesh .*process_group=mesh\.get_group\(\)"):
         FISMO([W], process_group=mesh)
+    with pytest.raises(TypeError, match=r"NON_GROUP_MEMBER: this rank \(0\) is not in the group"):
+        FISMO([W], process_group=dist.GroupMember.NON_GROUP_MEMBER)
     for wrong, kind in ((True, "bool"), ([0], "list")):
         with pytest.raises(TypeError, match=rf"process_group must be a torch\.distributed\.ProcessGroup .* got {kind}"):
             FISMO([W], process_group=wrong)

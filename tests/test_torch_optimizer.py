@@ -361,7 +361,8 @@ def test_param_groups_sends_empty_weights_to_adamw():
     opt.step()
 
 
-def test_list_coefficients_written_after_construction_are_taken_as_the_constructor_takes_them():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_list_coefficients_written_after_construction_are_taken_as_the_constructor_takes_them(compiled):
     """``coefficients`` written as lists into a group's complete ``polar`` dict raised ``TypeError: param
     group 0: unhashable type: 'list'`` at the step, where the constructor takes the same lists (a user's
     hunt, 2026-12-02). Stored as the constructor stores them; the step equals the constructor's."""
@@ -371,15 +372,28 @@ def test_list_coefficients_written_after_construction_are_taken_as_the_construct
         torch.manual_seed(0)
         W = torch.nn.Parameter(torch.randn(5, 4))
         opt = FISMO([W], lr=0.02, polar={} if later else {"coefficients": triples})
-        if later:
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        W.grad = torch.randn_like(W)
+        step()
+        if later:  # between (compiled) steps: compiled, guard_scalar raised AssertionError('unrecognized scalar')
             opt.param_groups[0]["polar"]["coefficients"] = triples
-        for _ in range(2):
-            W.grad = torch.randn_like(W)
-            opt.step()
+        W.grad = torch.randn_like(W)
+        step()
         return W.detach(), opt.param_groups[0]["polar"]["coefficients"]
 
     (W_later, stored), (W_built, built) = run(True), run(False)
-    assert stored == built and isinstance(stored, tuple) and torch.equal(W_later, W_built)
+    assert stored == built and isinstance(stored, tuple)
+    assert not torch.equal(W_later, W_built)  # one step with the default coefficients first
+    torch.manual_seed(0)  # the same run written as tuples: the step does not tell lists from tuples
+    W = torch.nn.Parameter(torch.randn(5, 4))
+    opt = FISMO([W], lr=0.02)
+    W.grad = torch.randn_like(W)
+    opt.step()
+    opt.param_groups[0]["polar"]["coefficients"] = tuple(map(tuple, triples))
+    W.grad = torch.randn_like(W)
+    opt.step()
+    W_default = W.detach()
+    assert torch.equal(W_later, W_default)
 
 
 def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_anything_changes():
@@ -420,7 +434,7 @@ def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_an
         (0, "momentum", 0.85, ValueError, r"param group 0 has keys, set since it was added, of other optimizers.*"
                                           r"momentum -> beta=0\.85"),
         (1, "gamma", 0.9, ValueError, r"param group 1 is an 'adamw' group and FISMO's \['gamma'\] was set"),
-        (1, "fused", True, ValueError, r"param group 1 is an 'adamw' group and \{'fused': True\} was set since"),
+        (1, "fused", True, ValueError, r"param group 1 is an 'adamw' group and \{'fused': True\} was set since it was added"),
         (1, "amsgrad", True, ValueError, r"parameter 0 of param group 1 \(shape \(5,\)\): amsgrad was turned on"),
     ]:
         missing = object()
@@ -656,6 +670,10 @@ def test_param_groups_head_override():
     for head in ("blocks.0.attn", "blocks.0.attn.weight"):
         fismo, adamw = _split(param_groups(compiled, head=head))
         assert id(first_attn.weight) in adamw and id(lm.lm_head.weight) in fismo, head
+    # ... for the predicate too, through torch.compile's and DataParallel's wrappers (it saw "_orig_mod.").
+    for wrapped in (compiled, torch.nn.DataParallel(lm), torch.compile(torch.nn.DataParallel(lm), backend="eager")):
+        assert _split(param_groups(wrapped, adamw=lambda name, p: name.startswith("blocks.1."))) == \
+            _split(param_groups(lm, adamw=lambda name, p: name.startswith("blocks.1.")))
     # A model without nn.Linear has no automatic head.
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Conv2d(4, 2, 3))
     fismo, _ = _split(param_groups(conv))
@@ -1192,7 +1210,8 @@ def test_a_parameter_appended_to_a_second_place_is_refused_at_the_step(appended_
 @pytest.mark.parametrize("group, key, value, match", [
     (0, "gamma", 2.0, r"param group 0: gamma must lie in \[0\.0, 1\.0\], got 2\.0"),
     (0, "nonfinite", "bogus", r"nonfinite must be 'raise', 'skip' or 'propagate', got 'bogus'"),
-    (0, "betas", (0.9, 0.99), r"param group 0 is a FISMO group and AdamW's \['betas'\]"),
+    (0, "betas", (0.9, 0.99), r"param group 0 is a FISMO group and AdamW's \['betas'\] was set in it by the "
+                              r"checkpoint"),
     (0, "polar", {"steps": 0}, r"param group 0: .*steps"),
     (1, "lr", -1.0, r"param group 1: invalid AdamW lr -1\.0"),
 ])
