@@ -215,7 +215,7 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
             )
         if algorithm != "fismo":
             for i, (index, p) in enumerate(zip(saved_group["params"], group["params"])):
-                _check_adamw_layout(saved_state.get(index) or {}, p, param_name(group, i, gi), saved_group)
+                _check_adamw_saved_state(saved_state.get(index) or {}, p, param_name(group, i, gi), saved_group)
             continue
         block_size, saved_block_size = group.get("block_size"), saved_group.get("block_size")
         # Another block_size that splits none of the group's matrices differently (block_size >= both sides
@@ -267,7 +267,7 @@ def check_loaded_settings(param_groups: list, saved_groups: list) -> None:
         ) from exc
 
 
-def _check_adamw_layout(saved: dict, p: torch.Tensor, name: str, saved_group: dict) -> None:
+def _check_adamw_saved_state(saved: dict, p: torch.Tensor, name: str, saved_group: dict) -> None:
     """An AdamW state that is incomplete or saved in another layout (a plain tensor for a ``DTensor``
     parameter, or the reverse) loads, and ``torch.optim.AdamW``'s step then fails on it (a bare ``KeyError``
     for a missing moment) after the FISMO groups have stepped."""
