@@ -27,6 +27,8 @@ from fismo_core import optimizer as _fismo  # the rules every adapter shares, lo
 
 from ._torch_groups import numpy_scalar_keys
 
+_UserError: Any
+_UserErrorType: Any
 try:  # private classes of dynamo (torch 2.13), for `through_dynamo`
     from torch._dynamo.exc import UserError as _UserError, UserErrorType as _UserErrorType
 except ImportError:  # pragma: no cover - another torch
@@ -89,21 +91,21 @@ def through_dynamo(exc: Exception) -> Exception:
     dynamo's ``UserError`` reaches the caller as eagerly: ``except ValueError`` catches it compiled
     too. Where that private class is missing (another torch), ``exc`` as it is.
     """
-    kind = _refusal_class(type(exc))
+    kind = _refusal_class(type(exc))  # type: ignore[arg-type]  # a class is hashable; mypy reads Exception.__hash__
     if kind is None:
         return exc
     return kind(_UserErrorType.INVALID_INPUT, str(exc))
 
 
 @functools.cache
-def _refusal_class(base: type) -> type | None:
+def _refusal_class(base: Any) -> type | None:
     """``base`` and dynamo's ``UserError`` in one class (named as ``base``); ``None`` without ``UserError``."""
     if _UserError is None:  # pragma: no cover - another torch
         return None
     return type(base.__name__, (base, _UserError), {"__init__": _UserError.__init__, "__module__": __name__})
 
 
-def _copy_of(function: types.FunctionType) -> types.FunctionType:
+def _copy_of(function: Any) -> types.FunctionType:
     """``function`` as another object (same code, globals and defaults): dynamo traces it as it is, where a
     substitute registered for ``function`` would be called again."""
     copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
@@ -131,7 +133,7 @@ def substitute_array_api_compat_lookups() -> bool:
     substitute = getattr(torch.compiler, "substitute_in_graph", None)
     if substitute is None:  # pragma: no cover - torch < 2.5
         return False
-    originals = (array_api_compat.array_namespace, array_api_compat.device, array_api_compat.is_array_api_obj,
+    originals: tuple[Any, ...] = (array_api_compat.array_namespace, array_api_compat.device, array_api_compat.is_array_api_obj,
                  _guards.nan_is_the_answer)
     namespace_of, device_of, is_array_of, nan_context_of = (_copy_of(f) for f in originals)
 

@@ -44,7 +44,7 @@ def is_dtensor(t: Any) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: Any) -> torch.Tensor:
     """This rank's data of ``t``: its shard for a ``DTensor``, else ``t`` itself."""
     return t.to_local() if is_dtensor(t) else t
 
@@ -136,7 +136,9 @@ class Placement:
             updates[p](p, directions[p])
         return None, lambda: None
 
-    def export(self, value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    def export(
+        self, value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any
+    ) -> Optional[torch.Tensor]:
         """A state tensor for ``state_dict``: the owner's ``value`` (``None`` elsewhere) in the checkpoint layout."""
         return value
 
@@ -184,7 +186,9 @@ class ReplicatedPlacement(Placement):
 
         return None, finish
 
-    def export(self, value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    def export(
+        self, value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any
+    ) -> Optional[torch.Tensor]:
         # Every rank saves the whole tensor, so the checkpoint is a replicated one (DCP keeps one copy).
         return _broadcast_value(value if self.owns else None, shape, dtype, device, self.group, self.owner)
 
@@ -202,7 +206,7 @@ class ShardedPlacement(Placement):
     dimension, whoever owns it: DCP reshards that to any world size.
     """
 
-    def __init__(self, p: torch.Tensor, owner: int) -> None:
+    def __init__(self, p: Any, owner: int) -> None:  # p: a DTensor
         self.mesh = p.device_mesh
         self.mesh_dim = shard_mesh_dim(p)
         sharded = self.mesh_dim is not None
@@ -216,7 +220,7 @@ class ShardedPlacement(Placement):
         return ("sharded", self.group, self.dim, tuple(p.shape), p.dtype, local_tensor(p).device)
 
     def start_gather(self, bucket: list[tuple[torch.Tensor, "Placement"]]) -> Pending:
-        if self.group is None:  # replicated on every mesh dimension: the local tensor is the whole gradient
+        if self.group is None or self.dim is None:  # replicated on every mesh dimension: the local tensor is the whole gradient
             return None, lambda: {p: local_tensor(p.grad) for p, _ in bucket}
         p0 = bucket[0][0]
         exchange = _Exchange(p0.shape, self.dim, self.group, self.rank, [placement.owner for _, placement in bucket])
@@ -225,7 +229,7 @@ class ShardedPlacement(Placement):
         return work, lambda: dict(zip([p for p, placement in bucket if placement.owns], finish()))
 
     def start_apply(self, bucket: list[tuple[torch.Tensor, "Placement"]], directions: dict, updates: dict) -> Pending:
-        if self.group is None:
+        if self.group is None or self.dim is None:
             for p, _ in bucket:
                 updates[p](local_tensor(p), directions[p])
             return None, lambda: None
@@ -241,18 +245,23 @@ class ShardedPlacement(Placement):
 
         return work, apply
 
-    def export(self, value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    def export(
+        self, value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any
+    ) -> Optional[torch.Tensor]:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        if self.group is None:
+        if self.group is None or self.mesh_dim is None:
             return value
         if len(shape) == 0:  # a counter: the same plain tensor on every rank
             return _broadcast_value(value if self.owns else None, shape, dtype, device, self.group, self.owner)
         exchange = _Exchange(torch.Size(shape), 0, self.group, self.rank, [self.owner])
-        mine = [exchange.split(value)] if self.owns else []
+        mine = []
+        if self.owns:
+            assert value is not None  # the owner holds the state
+            mine.append(exchange.split(value))
         work, finish = exchange.start_back(mine, dtype, device)
         work.wait()
-        placements = [Replicate()] * self.mesh.ndim
+        placements: list[Any] = [Replicate()] * self.mesh.ndim
         placements[self.mesh_dim] = Shard(0)
         return DTensor.from_local(
             finish()[0].contiguous(), self.mesh, placements, run_check=False, shape=torch.Size(shape),
@@ -368,7 +377,7 @@ def owner_groups(placements: dict[torch.Tensor, "Placement"]) -> list[tuple[Any,
     return list(groups.items())
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: Any) -> torch.Tensor:
     """The whole tensor of a ``DTensor`` (a collective over its mesh), or ``t`` itself."""
     return t.full_tensor() if is_dtensor(t) else t
 
@@ -399,6 +408,7 @@ def placements(
         load[owner] += cost(p, block_size)
         return owner
 
+    placement: Placement
     for p, block_size in matrices:
         if is_dtensor(p):
             placement = ShardedPlacement(p, 0)

@@ -567,7 +567,7 @@ def plain_numbers(group: dict) -> dict:
     The step stores them so (`check_group_settings`, `core_key`); one written after the last step (a
     schedule computed with NumPy) would reach a ``state_dict`` that ``torch.load(weights_only=True)``
     refuses. Only for ``state_dict``'s copies of the groups: the live group is the step's to check."""
-    numpy = sys.modules.get("numpy")  # present whenever a key is found
+    numpy: Any = sys.modules.get("numpy")  # present whenever a key is found
     for key in numpy_scalar_keys(group):
         value = group[key]
         group[key] = (tuple(v.item() if isinstance(v, numpy.generic) else v for v in value)
@@ -665,7 +665,8 @@ def _weight_parameters(m: torch.nn.Module) -> list[torch.nn.Parameter]:
     direction ``original1``, not its ``(out, 1)`` magnitude).
     """
     if torch.nn.utils.parametrize.is_parametrized(m, "weight"):
-        originals = dict(m.parametrizations.weight.named_parameters())
+        parametrizations: Any = m.parametrizations  # a ModuleDict, typed as a tensor or a module by torch
+        originals = dict(parametrizations.weight.named_parameters())
         if "original" in originals:
             return [originals["original"]]
         return [p for p in originals.values() if not _a_vector(p)]

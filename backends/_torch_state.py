@@ -20,8 +20,8 @@ Every check raises before any parameter or state is touched.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional, overload
 
 import torch
 from array_api_compat import torch as _xp  # the core's namespace for torch tensors
@@ -411,14 +411,23 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
 
 
 # ---------------------------------------------------------------- gradients
-def _agree_across_shards(checks: list, extra: Optional[list] = None) -> tuple[list, Optional[torch.Tensor]]:
+@overload
+def _agree_across_shards(checks: list, extra: None = None) -> tuple[list, None]: ...
+@overload
+def _agree_across_shards(checks: list, extra: tuple[list, torch.Tensor]) -> tuple[list, torch.Tensor]: ...
+def _agree_across_shards(
+    checks: list, extra: Optional[tuple[list, torch.Tensor]] = None
+) -> tuple[list, Optional[torch.Tensor]]:
     """A sharded (``DTensor``) parameter's flag, reduced (minimum) over its shard group: one all-reduce per group.
 
     Replicas (HSDP) hold the same shards, so the shard group alone decides; every rank then takes the same decision.
     ``extra``: more ``(group, device)`` pairs (the owner groups) and an int32 flag riding along in the same
     all-reduces (`read_step_faults`), ``(groups, flag)``; returned reduced over every group, else ``None``.
     """
-    groups, ok = extra if extra is not None else ([], None)
+    groups: list = []
+    ok: Optional[torch.Tensor] = None
+    if extra is not None:
+        groups, ok = extra
     by_group: dict[Any, tuple[Any, list[int]]] = {group: (device, []) for group, device in groups}
     for k, (_, _, p, _) in enumerate(checks):
         if is_dtensor(p) and shard_group(p) is not None:
@@ -437,7 +446,7 @@ def _agree_across_shards(checks: list, extra: Optional[list] = None) -> tuple[li
 
 def read_step_faults(
     checks: "GradientChecks", root_faults: list, owner_groups: list, digest: Optional[int] = None,
-    param_groups: list = (),
+    param_groups: Sequence[dict] = (),
 ) -> tuple["GradientChecks", bool, Optional[torch.Tensor]]:
     """The step's one host read: whether a ``"raise"`` gradient or parameter is not finite, or a root failed.
 
@@ -468,7 +477,7 @@ def read_step_faults(
     # after the all-reduce (a hook) made that rank alone raise, and the others failed in line 9's collectives.
     first_flag = len(riding)
     slots, flags = _replica_flags(param_groups, checks.pending, device)
-    if slots:
+    if flags is not None:  # some slots
         riding = torch.cat([riding, flags])
     pending, reduced = _agree_across_shards(checks.pending, (owner_groups, riding))
     checks = checks._replace(pending=_with_flags(pending, slots, reduced[first_flag:]))
@@ -585,11 +594,12 @@ def _agree_across_replicas(param_groups: list, checks: list, process_group: Any)
     if first is None:
         return checks
     slots, flags = _replica_flags(skip_groups, checks, local_device(first))
+    assert flags is not None  # first is a slot
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=process_group)
     return _with_flags(checks, slots, flags)
 
 
-def _replica_flags(param_groups: list, checks: list, device: Any) -> tuple[list, Optional[torch.Tensor]]:
+def _replica_flags(param_groups: Sequence[dict], checks: list, device: Any) -> tuple[list, Optional[torch.Tensor]]:
     """One int32 slot per replicated (not ``DTensor``) parameter of ``param_groups``, in order: its flag among
     ``checks`` where it has one here, else 1 (finite), so every rank sends a vector of one length (ranks may
     differ in which parameters have a gradient). Returns the slots' ``checks`` indices (``None``: no flag

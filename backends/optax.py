@@ -49,7 +49,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 try:
     import jax
@@ -139,11 +139,12 @@ def _matrix_dims(shape: tuple[int, ...], matrix_shape: MatrixShape) -> tuple[int
     if len(shape) == 2:
         return shape[0], shape[1]
     returned = matrix_shape(shape)
+    dims: tuple[Any, ...]
     try:
         dims = tuple(returned)
     except TypeError:
         dims = (returned,)
-    if len(dims) != 2 or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in dims):
+    if len(dims) != 2 or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and int(d) > 0 for d in dims):
         raise ValueError(f"matrix_shape{shape} returned {returned!r}; it must return two positive integers (m, n)")
     m, n = (int(d) for d in dims)
     if m * n != math.prod(shape):
@@ -381,6 +382,7 @@ def _leaf_programs(core: FISMO, matrix_shape: MatrixShape) -> _LeafPrograms:
         """``step(g, s, beta)`` for a leaf on a mesh: the direction laid out like ``g``, the state as init lays
         it out, and the ``flags`` more arrays ``step`` returns (fault flags) replicated."""
         mesh = _mesh(g)
+        assert mesh is not None  # called for the leaves on a mesh only
         if _is_explicit(mesh):
             # The state as init lays it out, from the gradient's layout (the leaf's, in the types): also a
             # state that comes from elsewhere (a host copy: replicated) leaves laid out as init's.
@@ -437,7 +439,7 @@ def scale_by_fismo(
     polar: Union[PolarConfig, str, dict, None] = None,
     inv_root: Union[InverseRootConfig, str, dict, None] = None,
     nesterov: bool = _DEFAULTS.nesterov,
-    statistics: str = _DEFAULTS.statistics,
+    statistics: Literal["printed", "scale_invariant"] = _DEFAULTS.statistics,
     matrix_shape: Optional[MatrixShape] = None,
     block_size: Optional[int] = _DEFAULTS.block_size,
 ) -> optax.GradientTransformation:
@@ -538,6 +540,7 @@ def scale_by_fismo(
         return jax.device_put(d1, d.sharding), jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), s1, s_new)
 
     def init_fn(params: Any) -> ScaleByFismoState:
+        treedef: Any  # a PyTreeDef, which jaxlib does not type
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         states = []
         for path, p in leaves:
@@ -552,8 +555,8 @@ def scale_by_fismo(
                 # The leaf's layout: in the type on Explicit axes; on Auto axes only a concrete array has it.
                 if _is_explicit(mesh):
                     spec = jax.typeof(p).sharding.spec
-                else:
-                    spec = None if isinstance(p, jax.core.Tracer) else p.sharding.spec
+                else:  # a concrete array on a mesh: a NamedSharding, which Array.sharding's type does not say
+                    spec = None if isinstance(p, jax.core.Tracer) else p.sharding.spec  # type: ignore[attr-defined]
                 states.append(_naming(name, init_on_mesh, p, name=name, spec=spec))
                 continue
             state = _naming(name, lambda p: core.init(_as_matrix(p, matrix_shape), name=name), p)
@@ -567,6 +570,7 @@ def scale_by_fismo(
         return ScaleByFismoState(treedef.unflatten(states))
 
     def update_fn(updates: Any, state: ScaleByFismoState, params: Any = None) -> tuple[Any, ScaleByFismoState]:
+        treedef: Any
         leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [(path, jnp.asarray(g)) for path, g in leaves]  # NumPy gradients too, as optax's own take
         # ... and NumPy states: a checkpoint restored by np.load, pickle or jax.device_get.
@@ -690,7 +694,7 @@ def fismo(
     inv_root: Union[InverseRootConfig, str, dict, None] = None,
     weight_decay: float = _DEFAULTS.weight_decay,
     nesterov: bool = _DEFAULTS.nesterov,
-    statistics: str = _DEFAULTS.statistics,
+    statistics: Literal["printed", "scale_invariant"] = _DEFAULTS.statistics,
     non_matrix: Union[str, optax.GradientTransformation] = "adamw",
     matrix_mask: Optional[Any] = None,
     matrix_shape: Optional[MatrixShape] = None,
@@ -923,17 +927,17 @@ def _fismo_transformation(
     learning_rate: optax.ScalarOrSchedule,
     other: Optional[optax.GradientTransformation],
     matrix_mask: Optional[Any],
-    matrix_shape: MatrixShape,
+    matrix_shape: Optional[MatrixShape],
     step_scale: Optional[Callable[[int, int], float]],
     *,
     beta: Union[float, jax.Array],
     gamma: float,
     mu: float,
-    polar: Union[PolarConfig, str, dict],
-    inv_root: Union[InverseRootConfig, str, dict],
+    polar: Union[PolarConfig, str, dict, None],
+    inv_root: Union[InverseRootConfig, str, dict, None],
     weight_decay: float,
     nesterov: bool,
-    statistics: str,
+    statistics: Literal["printed", "scale_invariant"],
     block_size: Optional[int],
     name: str,
 ) -> optax.GradientTransformation:

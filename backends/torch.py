@@ -32,10 +32,13 @@ import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch.optim.optimizer import Optimizer
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 from fismo_core import guards as _guards
 from fismo_core.guards import foreign_keywords
@@ -117,7 +120,8 @@ def _listed_with_devices(params: Any) -> tuple[Any, set]:
     def tensor_of(item: Any) -> Any:
         return item[1] if isinstance(item, tuple) and len(item) == 2 else item
 
-    listed, devices = [], set()
+    listed: list[Any] = []
+    devices: set[torch.device] = set()
     for item in params:
         if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
             item = {**item, "params": list(item["params"])}
@@ -194,7 +198,7 @@ class FISMO(Optimizer):
 
     def __init__(
         self,
-        params: Any,
+        params: ParamsT,
         lr: Union[float, torch.Tensor] = _CORE_DEFAULTS.lr,
         *args: Any,
         beta: Union[float, torch.Tensor] = _CORE_DEFAULTS.beta,
@@ -204,10 +208,10 @@ class FISMO(Optimizer):
         inv_root: Union[InverseRootConfig, str, dict, None] = None,
         weight_decay: float = _CORE_DEFAULTS.weight_decay,
         nesterov: bool = _CORE_DEFAULTS.nesterov,
-        adjust_lr_fn: Optional[str] = None,
-        process_group: Any = None,
-        statistics: str = _CORE_DEFAULTS.statistics,
-        nonfinite: str = _CORE_DEFAULTS.nonfinite,
+        adjust_lr_fn: Optional[Literal["original", "match_rms_adamw"]] = None,
+        process_group: Optional[torch.distributed.ProcessGroup] = None,
+        statistics: Literal["printed", "scale_invariant"] = _CORE_DEFAULTS.statistics,
+        nonfinite: Literal["raise", "skip", "propagate"] = _CORE_DEFAULTS.nonfinite,
         block_size: Optional[int] = _CORE_DEFAULTS.block_size,
     ) -> None:
         if args:
@@ -261,7 +265,7 @@ class FISMO(Optimizer):
     @classmethod
     def training(
         cls,
-        params: Any,
+        params: ParamsT,
         lr: Union[float, torch.Tensor] = 1e-3,
         weight_decay: float = TRAINING["weight_decay"],
         momentum: float = 0.95,
@@ -269,7 +273,7 @@ class FISMO(Optimizer):
         ns_coefficients: tuple[float, float, float] = MUON_COEFFICIENTS[0],
         eps: float = 1e-7,
         ns_steps: int = 5,
-        adjust_lr_fn: Optional[str] = None,
+        adjust_lr_fn: Optional[Literal["original", "match_rms_adamw"]] = None,
         **fismo_options: Any,
     ) -> "FISMO":
         """The training configuration, with ``torch.optim.Muon``'s signature and defaults.
@@ -813,6 +817,7 @@ class FISMO(Optimizer):
             # With every == 1 (the default) they always are: no read of the step count.
             # Compiled (torch.compile), the decision stays on the device: see _torch_compile.TracedRootSchedule.
             every = core.inv_root.every
+            refresh: Union[bool, None, TracedRootSchedule]
             if every == 1:
                 refresh = True
             elif torch.compiler.is_compiling() and not _guards.checks_roots(core.inv_root, core.nonfinite):
@@ -861,7 +866,7 @@ class FISMO(Optimizer):
                 self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=dev))["skipped"] += 1
             else:
                 keep_elsewhere(self.state[p], p, core.block_size)
-        directions = {}
+        directions: dict[torch.Tensor, torch.Tensor] = {}
         for call in plan.calls:
             m, n = call.G.shape[-2:]
             unpack(core, call.states, call.stacked, call.result.state, m, n)

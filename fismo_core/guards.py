@@ -18,6 +18,7 @@ import math
 import numbers
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, TypeVar
@@ -270,7 +271,7 @@ def foreign_keywords(
     known = set(MUON_POLAR_KEYWORDS) | set(MUON_KEYWORDS) | set(notes or ())
 
     def decorate(target: Any) -> Any:
-        function = target.__init__ if isinstance(target, type) else target
+        function = target.__init__ if isinstance(target, type) else target  # type: ignore[misc]  # the class's own
         foreign = known - set(inspect.signature(function).parameters)
 
         @functools.wraps(function)
@@ -281,7 +282,7 @@ def foreign_keywords(
             return function(*args, **kwargs)
 
         if isinstance(target, type):
-            target.__init__ = checked
+            target.__init__ = checked  # type: ignore[misc]  # replaced on the class, for every instance
             return target
         return checked
 
@@ -381,7 +382,8 @@ def skip_mask(xp: Any, G: Array) -> tuple[Array, Array]:
 def select(xp: Any, keep: Array, old: Any, new: Any) -> Any:
     """Per matrix of the batch, ``old`` where ``keep`` else ``new``; for arrays and `Blocks` alike."""
     if isinstance(new, tuple):
-        return type(new)(*(None if n is None else select(xp, keep, o, n) for o, n in zip(old, new)))
+        kind: Any = type(new)  # a NamedTuple of arrays or Blocks
+        return kind(*(None if n is None else select(xp, keep, o, n) for o, n in zip(old, new)))
     mask = keep
     while mask.ndim < new.ndim:
         mask = mask[..., None]
@@ -636,7 +638,8 @@ def _caller_stacklevel() -> int:
 
     roots = tuple(os.path.dirname(p) + os.sep for p in (__file__, fismo_core.backends.__file__))
     users = (os.path.join(os.path.dirname(__file__), "demo") + os.sep,)
-    frame, level = sys._getframe(1), 1
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    level = 1
     while frame is not None and (
         (frame.f_code.co_filename.startswith(roots) and not frame.f_code.co_filename.startswith(users))
         or frame.f_globals.get("__name__", "").startswith(_FRAMEWORK_MODULES)

@@ -23,7 +23,7 @@ import math
 import numbers
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, overload
 
 from array_api_compat import array_namespace, device
 
@@ -154,6 +154,7 @@ def newton_schulz_schedule(
     triple at every step; Polar Express past its eighth step).
     """
     _check_integer("steps", steps)
+    triples: tuple[tuple[float, ...], ...]  # (a, b, c) triples once checked below
     if isinstance(coefficients, str):
         if coefficients not in _NAMED_SCHEDULES:
             raise ValueError(
@@ -472,6 +473,10 @@ def default_polar_rtol(X: Array) -> float:
     return max(m, n) * float(xp.finfo(X.dtype).eps)
 
 
+@overload
+def _check_integer(name: str, value: Any, *, minimum: int = 1, none_means: None = None) -> int: ...
+@overload
+def _check_integer(name: str, value: Any, *, minimum: int = 1, none_means: str) -> Optional[int]: ...
 def _check_integer(name: str, value: Any, *, minimum: int = 1, none_means: Optional[str] = None) -> Optional[int]:
     """``value`` as an ``int``; a ``ValueError`` naming ``name`` unless it is an integer ``>= minimum``.
 

@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any, Literal, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Union
 
 from array_api_compat import array_namespace, is_array_api_obj
 
@@ -310,7 +310,7 @@ class FISMOState(NamedTuple):
     M: Array
     P_inv_sqrt: Factor
     Q_inv_sqrt: Factor
-    step: int
+    step: Any  # an int, or a 0-d integer array
     skipped: Any = 0
     root_failures: Any = 0
 
@@ -763,13 +763,23 @@ class FISMO:
     beta: Union[float, Array] = 0.95
     gamma: float = 0.95
     mu: float = 1e-3
-    polar: Union[PolarConfig, str, dict] = field(default_factory=PolarConfig)
-    inv_root: Union[InverseRootConfig, str, dict] = field(default_factory=InverseRootConfig)
+    polar: PolarConfig = field(default_factory=PolarConfig)
+    inv_root: InverseRootConfig = field(default_factory=InverseRootConfig)
     weight_decay: float = 0.0
     nesterov: bool = False
     nonfinite: Literal["raise", "skip", "propagate"] = "raise"
     statistics: Literal["printed", "scale_invariant"] = "printed"
     block_size: Optional[int] = None
+
+    if TYPE_CHECKING:  # the constructor also takes a method name or a dict for polar and inv_root
+        def __init__(
+            self, lr: float = 0.02, beta: Union[float, Array] = 0.95, gamma: float = 0.95, mu: float = 1e-3,
+            polar: Union[PolarConfig, str, dict[str, Any]] = PolarConfig(),
+            inv_root: Union[InverseRootConfig, str, dict[str, Any]] = InverseRootConfig(),
+            weight_decay: float = 0.0, nesterov: bool = False,
+            nonfinite: Literal["raise", "skip", "propagate"] = "raise",
+            statistics: Literal["printed", "scale_invariant"] = "printed", block_size: Optional[int] = None,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -1158,6 +1168,7 @@ class FISMO:
         if not lines:
             return W_new, new_state, None
         s = new_state
+        assert step.lines is not None  # _guarded_step returns the lines of every step it takes
         return W_new, new_state, StepLines(
             s.P, s.Q, s.P_inv_sqrt, s.Q_inv_sqrt, step.scale * step.lines.G_white, s.M, direction, W_new
         )
@@ -1200,7 +1211,7 @@ def _momentum_weights(beta: Any, dtype: Any) -> tuple[Any, Any]:
     beta`` is taken in ``beta``'s own precision first, as Python takes it for
     a number: a float64 ``beta`` gives the float's ``M_t`` bit for bit.
     """
-    if isinstance(beta, numbers.Number):
+    if isinstance(beta, numbers.Real):
         return beta, 1 - beta
     xp = array_namespace(beta)
     return xp.astype(beta, dtype), xp.astype(1 - beta, dtype)

@@ -64,11 +64,6 @@ def _squares(d: int, block_size: Optional[int]) -> int:
     return sum(b * b for b in block_sizes(d, block_size))
 
 
-def _cubes(d: int, block_size: Optional[int]) -> int:
-    """``sum b_i^3``: a product of two block-diagonal ``d x d`` factors costs twice that."""
-    return sum(b**3 for b in block_sizes(d, block_size))
-
-
 def polar_flops(m: int, n: int, steps: int = 5) -> int:
     """Products of ``linalg.polar`` (Newton–Schulz) on an ``m x n`` matrix: per step ``4 a^2 b + 2 a^3``,
     ``a = min(m, n)``, ``b = max(m, n)`` (the Gram matrix is formed on the short side)."""

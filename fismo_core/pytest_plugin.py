@@ -45,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def target_params(selected: list[Target]) -> list[Any]:
     """``pytest.param`` per target, id ``target.id``, skipped with the reason when unavailable."""
     return [
-        pytest.param(t, id=t.id, marks=[pytest.mark.skip(reason=t.reason)] if not t.available else [])
+        pytest.param(t, id=t.id, marks=[pytest.mark.skip(reason=str(t.reason))] if not t.available else [])
         for t in selected
     ]
 

@@ -24,6 +24,7 @@ to run the optimizer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -275,15 +276,19 @@ def _torch_targets() -> Iterator[Target]:
         return
     from array_api_compat import array_namespace
 
-    devices = [("cpu", None)]
+    devices: list[tuple[str, Optional[str]]] = [("cpu", None)]
     devices.append(("cuda", None if torch.cuda.is_available() else "torch reports no CUDA device (torch.cuda.is_available() is False)"))
-    for dev, reason in devices:
+    for dev, missing in devices:
         for dtype in ("float64", "float32"):
             yield Target(
-                "torch", dev, dtype, reason=reason,
+                "torch", dev, dtype, reason=missing,
                 _namespace=lambda: array_namespace(torch.empty(0)),
-                _asarray=lambda a, d, dev=dev: torch.asarray(a, dtype=getattr(torch, d), device=dev),
+                _asarray=functools.partial(_torch_asarray, torch, device=dev),
             )
+
+
+def _torch_asarray(torch: Any, a: Any, dtype: str, *, device: str) -> Any:
+    return torch.asarray(a, dtype=getattr(torch, dtype), device=device)
 
 
 def _jax_targets() -> Iterator[Target]:
@@ -534,7 +539,7 @@ class Result:
         where = f" at {self.where}" if self.where else ""
         if self.exception is not None:
             return f"FAIL{where} ({self.exception})"
-        if self.where in self.mismatches:
+        if self.where is not None and self.where in self.mismatches:
             return f"FAIL{where}: {self.mismatches[self.where]}"
         return f"FAIL{where}"
 

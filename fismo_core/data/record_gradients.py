@@ -75,7 +75,7 @@ def _tasks() -> dict[str, Any]:
     }
 
 
-def record() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def record() -> tuple[dict[str, Any], dict[str, Any]]:
     """Train both tasks and return the arrays (``<stream>/W0``, ``<stream>/G``) and the manifest."""
     import torch
 

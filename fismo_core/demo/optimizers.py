@@ -61,7 +61,7 @@ import importlib.util
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Final, Optional
 
 import torch
 from torch import nn
@@ -206,7 +206,7 @@ CONDITION_OPTIMIZERS: tuple[str, ...] = ("FISMO", "FISMO-SI", "FISMO-T", "FISMO-
 
 #: Shared by FISMO and Muon: EMA momentum without Nesterov, Muon's shape-dependent lr.
 MOMENTUM = 0.95
-ADJUST_LR_FN = "original"
+ADJUST_LR_FN: Final = "original"
 
 
 def soap_available() -> bool:

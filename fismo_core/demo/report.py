@@ -228,7 +228,7 @@ def _block_size(name: str) -> Optional[int]:
     return int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else None
 
 
-def _matrix_shapes(results: DemoResults, task: str) -> list[tuple[int, int]]:
+def _matrix_shapes(results: DemoResults, task: str) -> list[tuple[int, ...]]:
     """Shapes of the hidden matrices of ``task``'s model (the parameters FISMO and Muon optimise)."""
     from .optimizers import build_optimizer
 
@@ -236,7 +236,7 @@ def _matrix_shapes(results: DemoResults, task: str) -> list[tuple[int, int]]:
     return [tuple(p.shape) for p in build_optimizer("AdamW", plan.task.model(), 0.01, 0.01).matrices]
 
 
-def _state_elements(shapes: Sequence[tuple[int, int]], optimizer: str) -> int:
+def _state_elements(shapes: Sequence[tuple[int, ...]], optimizer: str) -> int:
     """Optimizer-state elements of the hidden matrices: FISMO's ``P``, ``Q``, roots and ``M``; Muon's momentum."""
     if optimizer.startswith("Muon"):
         return sum(m * n for m, n in shapes)
@@ -271,8 +271,8 @@ def blocking_table(results: DemoResults, task: str) -> str:
     rows = {s["optimizer"]: s for s in summarise(results) if s["task"] == task}
     body = []
     for base in ("FISMO", "FISMO-SI", TRAINING):
-        blocked = sorted((c for c in controls if control_base(c) == base and _block_size(c)), key=_block_size,
-                         reverse=True)
+        blocked = sorted((c for c in controls if control_base(c) == base and _block_size(c)),
+                         key=lambda c: _block_size(c) or 0, reverse=True)
         if base not in rows or not blocked:
             continue
         for name in (base, *blocked):
