@@ -223,17 +223,22 @@ def _polar_value(field: str, value: Any) -> Any:
 
 
 def foreign_keyword_error(
-    subject: str, given: dict[str, Any], notes: Optional[dict[str, tuple[str, str]]] = None
+    subject: str, given: dict[str, Any], notes: Optional[dict[str, tuple[str, str]]] = None, *,
+    polar_fields: Optional[dict[str, Any]] = None,
 ) -> TypeError:
     """The ``TypeError`` for keywords of other optimizers (`MUON_POLAR_KEYWORDS`, `MUON_KEYWORDS`, ``notes``).
 
     ``subject`` starts the message (``"FISMO() got keyword arguments"``). It
     names each keyword with the optimizers that use it and FISMO's spelling
-    of it, the Newton–Schulz ones gathered into one ``polar=PolarConfig(...)``.
-    ``notes`` adds an adapter's own keywords: name to ``(origin, hint)``.
+    of it, the Newton–Schulz ones gathered into one ``polar=PolarConfig(...)``
+    after ``polar_fields`` (FISMO's own fields given beside them in a ``polar``
+    dict, kept in the suggestion). ``notes`` adds an adapter's own keywords:
+    name to ``(origin, hint)``.
     """
     notes = notes or {}
-    origins, spellings, polar = [], [], {}
+    origins: list[str] = []
+    spellings: list[str] = []
+    polar: dict[str, Any] = {}
     for name, value in given.items():
         origin = []
         if name in MUON_POLAR_KEYWORDS:
@@ -248,7 +253,7 @@ def foreign_keyword_error(
             spellings.append(f"{name} -> {notes[name][1]}")
         origins.append(f"{name}={value!r} ({'; '.join(origin)})")
     if polar:
-        fields = ", ".join(f"{k}={v!r}" for k, v in polar.items())
+        fields = ", ".join(f"{k}={v!r}" for k, v in {**(polar_fields or {}), **polar}.items())
         spellings.insert(0, f"polar=PolarConfig({fields}) (line 8's polar factor; a dict of the same fields works too)")
     return TypeError(
         f"{subject} of other optimizers, which FISMO spells differently: "

@@ -334,6 +334,9 @@ HYPERPARAMETER_ERRORS = [
     ({"polar": {"stepz": 5}}, TypeError, r"polar has unknown keys \['stepz'\]: PolarConfig has the fields "
                                          r"\['method', 'steps', "),
     ({"polar": {"ns_steps": 5}}, TypeError, r"polar=\{\.\.\.\} has keys of other optimizers.*polar=PolarConfig\(steps=5\)"),
+    # The suggestion keeps FISMO's own fields given beside Muon's (it dropped them until 2026-12-02).
+    ({"polar": {"method": "newton_schulz", "ns_steps": 5, "eps": 1e-6}}, TypeError,
+     r"polar=PolarConfig\(method='newton_schulz', eps=1e-06, steps=5\) \("),
     ({"inv_root": {"eps": 0}}, TypeError, r"inv_root has unknown keys \['eps'\]: InverseRootConfig has the fields"),
     ({"polar": 5}, TypeError, r"polar must be a PolarConfig, a method name or a dict of its fields, got 5"),
     ({"polar": None}, TypeError, r"polar must be a PolarConfig.*got None"),
