@@ -32,13 +32,10 @@ import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
-from torch.optim.optimizer import Optimizer
-
-if TYPE_CHECKING:
-    from torch.optim.optimizer import ParamsT
+from torch.optim.optimizer import Optimizer, ParamsT
 
 from fismo_core import guards as _guards
 from fismo_core.guards import foreign_keywords

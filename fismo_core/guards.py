@@ -283,7 +283,9 @@ def foreign_keywords(
         def checked(*args: Any, **kwargs: Any) -> Any:
             given = {k: v for k, v in kwargs.items() if k in foreign}
             if given:
-                raise foreign_keyword_error(f"{where}() got keyword arguments", given, notes)
+                polar = kwargs.get("polar")  # a method name or a dict given beside Muon's keywords: kept
+                polar_fields = {"method": polar} if isinstance(polar, str) else polar if isinstance(polar, dict) else None
+                raise foreign_keyword_error(f"{where}() got keyword arguments", given, notes, polar_fields=polar_fields)
             return function(*args, **kwargs)
 
         if isinstance(target, type):

@@ -310,7 +310,7 @@ class FISMOState(NamedTuple):
     M: Array
     P_inv_sqrt: Factor
     Q_inv_sqrt: Factor
-    step: Any  # an int, or a 0-d integer array
+    step: Union[int, Array]
     skipped: Any = 0
     root_failures: Any = 0
 
@@ -1173,6 +1173,14 @@ class FISMO:
         return W_new, new_state, StepLines(
             s.P, s.Q, s.P_inv_sqrt, s.Q_inv_sqrt, step.scale * step.lines.G_white, s.M, direction, W_new
         )
+
+
+# The constructor dataclass made from the fields says polar and inv_root take their configs alone; at run time
+# (inspect.signature, typing.get_type_hints, validators such as pydantic's) it says what the constructor
+# declared for type checkers above says: a config, a method name or a dict.
+FISMO.__init__.__annotations__.update(
+    polar="Union[PolarConfig, str, dict[str, Any]]", inv_root="Union[InverseRootConfig, str, dict[str, Any]]"
+)
 
 
 class Preconditioners(NamedTuple):

@@ -334,7 +334,8 @@ HYPERPARAMETER_ERRORS = [
     ({"polar": {"stepz": 5}}, TypeError, r"polar has unknown keys \['stepz'\]: PolarConfig has the fields "
                                          r"\['method', 'steps', "),
     ({"polar": {"ns_steps": 5}}, TypeError, r"polar=\{\.\.\.\} has keys of other optimizers.*polar=PolarConfig\(steps=5\)"),
-    # The suggestion keeps FISMO's own fields given beside Muon's (it dropped them until 2026-12-02).
+    # The suggestion keeps FISMO's own fields given beside Muon's (it dropped them until 2026-12-02), in the
+    # dict and as keywords beside it.
     ({"polar": {"method": "newton_schulz", "ns_steps": 5, "eps": 1e-6}}, TypeError,
      r"polar=PolarConfig\(method='newton_schulz', eps=1e-06, steps=5\) \("),
     ({"inv_root": {"eps": 0}}, TypeError, r"inv_root has unknown keys \['eps'\]: InverseRootConfig has the fields"),
@@ -484,6 +485,17 @@ def test_muon_keywords_name_fismos_spelling() -> None:
     assert message.startswith("fismo_core.FISMO() got keyword arguments of other optimizers")
     assert "momentum=0.9 (torch.optim.Muon)" in message and "momentum -> beta=0.9" in message
     assert "polar=PolarConfig(steps=7)" in message
+
+
+@pytest.mark.parametrize("polar, fields", [("svd", "method='svd', steps=5"),
+                                           ({"method": "newton_schulz", "eps": 1e-6},
+                                            "method='newton_schulz', eps=1e-06, steps=5")], ids=["name", "dict"])
+def test_muon_keywords_beside_a_polar_keep_its_fields_in_the_suggestion(polar, fields) -> None:
+    # FISMO(polar=..., ns_steps=5): the suggested PolarConfig dropped the polar given (until 2026-12-02).
+    with pytest.raises(TypeError, match=re.escape(f"polar=PolarConfig({fields}) (")):
+        FISMO(polar=polar, ns_steps=5)
+    config = _suggested_polar(str(pytest.raises(TypeError, FISMO, polar=polar, ns_steps=5).value))
+    assert FISMO(polar=config).polar == config
 
 
 def test_the_suggested_polar_config_is_muons_iteration() -> None:

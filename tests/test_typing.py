@@ -100,6 +100,7 @@ def test_the_package_and_typed_user_code_check_clean_and_misuses_are_caught(tmp_
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
          "--cache-dir", str(tmp_path / "cache"), "--no-error-summary", "--show-absolute-path",
+         "--no-color-output",  # FORCE_COLOR / MYPY_FORCE_COLOR colour even a pipe
          str(site / "fismo_core"), str(user / "good.py"), str(user / "bad.py")],
         cwd=tmp_path, env={**os.environ, "MYPYPATH": str(site)}, capture_output=True, text=True, timeout=600,
     )
@@ -118,27 +119,44 @@ def test_the_package_and_typed_user_code_check_clean_and_misuses_are_caught(tmp_
 
 
 def test_the_package_says_it_is_typed() -> None:
-    # PEP 561: without the marker a type checker treats every name of the package as Any.
+    # PEP 561: without the marker a type checker treats every name of the package as Any. (The mypy run
+    # above finds the package through MYPYPATH, where the marker plays no part.) The files exist, and the
+    # wheel takes them: package data of both packages.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     for package in ("fismo_core", "fismo_core.backends"):
         assert importlib.resources.files(package).joinpath("py.typed").is_file(), package
+        assert "py.typed" in package_data.get(package, []), package
 
 
 def test_the_core_constructors_annotation_matches_its_fields() -> None:
     # FISMO's fields are typed as what they hold after construction (polar: PolarConfig); the constructor
-    # type checkers see, declared under TYPE_CHECKING, also takes a method name or a dict. Both list the
-    # same parameters in the same order with the same defaults, or a new field would be a type error.
+    # type checkers see, declared under TYPE_CHECKING, also takes a method name or a dict, and so does the
+    # run-time constructor's signature (inspect, typing.get_type_hints). The two list the same parameters in
+    # the same order with the same annotations and defaults, or a new field or option would be a type error.
     import ast
     import dataclasses
+    import inspect
+    import typing
 
-    from fismo_core import FISMO
+    from fismo_core import FISMO, InverseRootConfig, PolarConfig
 
     tree = ast.parse((ROOT / "fismo_core" / "optimizer.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FISMO")
     init = next(f for block in cls.body if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
                 for f in block.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-    declared = [(a.arg, eval(ast.unparse(d), vars(sys.modules["fismo_core.optimizer"])))
-                for a, d in zip(init.args.args[1:], init.args.defaults)]
-    fields = [(f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
-              for f in dataclasses.fields(FISMO)]
     assert len(init.args.args) - 1 == len(init.args.defaults)  # every parameter has its default
-    assert declared == fields
+    names = vars(sys.modules["fismo_core.optimizer"])
+    declared = [(a.arg, ast.dump(a.annotation), eval(ast.unparse(d), names))
+                for a, d in zip(init.args.args[1:], init.args.defaults)]
+    factories = {f.name: f.default_factory for f in dataclasses.fields(FISMO)
+                 if f.default_factory is not dataclasses.MISSING}
+    at_run_time = [(p.name, ast.dump(ast.parse(p.annotation, mode="eval").body),
+                    factories[p.name]() if p.name in factories else p.default)
+                   for p in inspect.signature(FISMO).parameters.values()]
+    assert declared == at_run_time
+    hints = typing.get_type_hints(FISMO.__init__)
+    assert hints["polar"] == typing.Union[PolarConfig, str, dict[str, typing.Any]]
+    assert hints["inv_root"] == typing.Union[InverseRootConfig, str, dict[str, typing.Any]]
+    # The attributes hold the configs.
+    assert typing.get_type_hints(FISMO)["polar"] is PolarConfig
