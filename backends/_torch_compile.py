@@ -133,8 +133,8 @@ def substitute_array_api_compat_lookups() -> bool:
     substitute = getattr(torch.compiler, "substitute_in_graph", None)
     if substitute is None:  # pragma: no cover - torch < 2.5
         return False
-    originals: tuple[Any, ...] = (array_api_compat.array_namespace, array_api_compat.device, array_api_compat.is_array_api_obj,
-                 _guards.nan_is_the_answer)
+    originals: tuple[Any, ...] = (array_api_compat.array_namespace, array_api_compat.device,
+                                  array_api_compat.is_array_api_obj, _guards.nan_is_the_answer)
     namespace_of, device_of, is_array_of, nan_context_of = (_copy_of(f) for f in originals)
 
     def array_namespace(*xs: Any, api_version: str | None = None, use_compat: bool | None = None) -> Any:

@@ -220,7 +220,8 @@ class ShardedPlacement(Placement):
         return ("sharded", self.group, self.dim, tuple(p.shape), p.dtype, local_tensor(p).device)
 
     def start_gather(self, bucket: list[tuple[torch.Tensor, "Placement"]]) -> Pending:
-        if self.group is None or self.dim is None:  # replicated on every mesh dimension: the local tensor is the whole gradient
+        if self.group is None or self.dim is None:
+            # replicated on every mesh dimension: the local tensor is the whole gradient
             return None, lambda: {p: local_tensor(p.grad) for p, _ in bucket}
         p0 = bucket[0][0]
         exchange = _Exchange(p0.shape, self.dim, self.group, self.rank, [placement.owner for _, placement in bucket])

@@ -144,7 +144,8 @@ def _matrix_dims(shape: tuple[int, ...], matrix_shape: MatrixShape) -> tuple[int
         dims = tuple(returned)
     except TypeError:
         dims = (returned,)
-    if len(dims) != 2 or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and int(d) > 0 for d in dims):
+    if len(dims) != 2 or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and int(d) > 0
+                                 for d in dims):
         raise ValueError(f"matrix_shape{shape} returned {returned!r}; it must return two positive integers (m, n)")
     m, n = (int(d) for d in dims)
     if m * n != math.prod(shape):

@@ -222,29 +222,42 @@ def _polar_value(field: str, value: Any) -> Any:
     return value
 
 
+def _polar_fields(polar: Any) -> dict[str, Any]:
+    """The `PolarConfig` fields a ``polar`` option given as a method name or a dict sets, Muon's names spelt
+    as FISMO's (a config object or anything else: none)."""
+    if isinstance(polar, str):
+        return {"method": polar}
+    if not isinstance(polar, dict):
+        return {}
+    fields = {}
+    for name, value in polar.items():
+        field = MUON_POLAR_KEYWORDS[name][1] if name in MUON_POLAR_KEYWORDS else name
+        fields[field] = _polar_value(field, value)
+    return fields
+
+
 def foreign_keyword_error(
     subject: str, given: dict[str, Any], notes: Optional[dict[str, tuple[str, str]]] = None, *,
-    polar_fields: Optional[dict[str, Any]] = None,
+    polar: Any = None,
 ) -> TypeError:
     """The ``TypeError`` for keywords of other optimizers (`MUON_POLAR_KEYWORDS`, `MUON_KEYWORDS`, ``notes``).
 
     ``subject`` starts the message (``"FISMO() got keyword arguments"``). It
     names each keyword with the optimizers that use it and FISMO's spelling
     of it, the Newton–Schulz ones gathered into one ``polar=PolarConfig(...)``
-    after ``polar_fields`` (FISMO's own fields given beside them in a ``polar``
-    dict, kept in the suggestion). ``notes`` adds an adapter's own keywords:
-    name to ``(origin, hint)``.
+    that keeps what the ``polar`` option given with them sets (a method name
+    or a dict). ``notes`` adds an adapter's own keywords: name to ``(origin, hint)``.
     """
     notes = notes or {}
     origins: list[str] = []
     spellings: list[str] = []
-    polar: dict[str, Any] = {}
+    suggested: dict[str, Any] = {}
     for name, value in given.items():
         origin = []
         if name in MUON_POLAR_KEYWORDS:
             origin.append(MUON_POLAR_KEYWORDS[name][0])
             field = MUON_POLAR_KEYWORDS[name][1]
-            polar[field] = _polar_value(field, value)
+            suggested[field] = _polar_value(field, value)
         if name in MUON_KEYWORDS:
             origin.append(MUON_KEYWORDS[name][0])
             spellings.append(f"{name} -> {MUON_KEYWORDS[name][1](value)}")
@@ -252,8 +265,8 @@ def foreign_keyword_error(
             origin.append(notes[name][0])
             spellings.append(f"{name} -> {notes[name][1]}")
         origins.append(f"{name}={value!r} ({'; '.join(origin)})")
-    if polar:
-        fields = ", ".join(f"{k}={v!r}" for k, v in {**(polar_fields or {}), **polar}.items())
+    if suggested:
+        fields = ", ".join(f"{k}={v!r}" for k, v in {**_polar_fields(polar), **suggested}.items())
         spellings.insert(0, f"polar=PolarConfig({fields}) (line 8's polar factor; a dict of the same fields works too)")
     return TypeError(
         f"{subject} of other optimizers, which FISMO spells differently: "
@@ -283,9 +296,8 @@ def foreign_keywords(
         def checked(*args: Any, **kwargs: Any) -> Any:
             given = {k: v for k, v in kwargs.items() if k in foreign}
             if given:
-                polar = kwargs.get("polar")  # a method name or a dict given beside Muon's keywords: kept
-                polar_fields = {"method": polar} if isinstance(polar, str) else polar if isinstance(polar, dict) else None
-                raise foreign_keyword_error(f"{where}() got keyword arguments", given, notes, polar_fields=polar_fields)
+                raise foreign_keyword_error(f"{where}() got keyword arguments", given, notes,
+                                            polar=kwargs.get("polar"))
             return function(*args, **kwargs)
 
         if isinstance(target, type):

@@ -517,8 +517,7 @@ def _as_config(value: Any, config_type: type, name: str) -> Any:
         unknown = {k: v for k, v in value.items() if k not in names}
         if unknown:  # Python's "unexpected keyword argument", which named neither the option nor its fields
             if config_type is PolarConfig and set(unknown) <= set(guards.MUON_POLAR_KEYWORDS):
-                raise guards.foreign_keyword_error(f"{name}={{...}} has keys", unknown,
-                                                   polar_fields={k: v for k, v in value.items() if k in names})
+                raise guards.foreign_keyword_error(f"{name}={{...}} has keys", unknown, polar=value)
             raise TypeError(f"{name} has unknown keys {sorted(map(str, unknown))}: "
                             f"{config_type.__name__} has the fields {names}")
         return config_type(**value)

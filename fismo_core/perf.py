@@ -71,7 +71,9 @@ def polar_flops(m: int, n: int, steps: int = 5) -> int:
     return steps * (_mm(a, b, a) + _mm(a, a, a) + _mm(a, a, b))
 
 
-def inverse_sqrt_flops(d: int, method: str = "eigh", steps: Optional[int] = None, coefficients: linalg.Coefficients = "polar_express") -> dict:
+def inverse_sqrt_flops(
+    d: int, method: str = "eigh", steps: Optional[int] = None, coefficients: linalg.Coefficients = "polar_express"
+) -> dict:
     """Operations of ``linalg.inverse_sqrt`` on a ``d x d`` matrix: ``{"matmul": ..., "eigh": ...}``.
 
     ``"eigh"``: the eigendecomposition (``9 d^3``, kept apart) and ``V diag(w^{-1/2}) V^T`` (one product).

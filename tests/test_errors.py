@@ -337,7 +337,7 @@ HYPERPARAMETER_ERRORS = [
     # The suggestion keeps FISMO's own fields given beside Muon's (it dropped them until 2026-12-02), in the
     # dict and as keywords beside it.
     ({"polar": {"method": "newton_schulz", "ns_steps": 5, "eps": 1e-6}}, TypeError,
-     r"polar=PolarConfig\(method='newton_schulz', eps=1e-06, steps=5\) \("),
+     r"polar=PolarConfig\(method='newton_schulz', steps=5, eps=1e-06\) \("),
     ({"inv_root": {"eps": 0}}, TypeError, r"inv_root has unknown keys \['eps'\]: InverseRootConfig has the fields"),
     ({"polar": 5}, TypeError, r"polar must be a PolarConfig, a method name or a dict of its fields, got 5"),
     ({"polar": None}, TypeError, r"polar must be a PolarConfig.*got None"),
@@ -489,7 +489,12 @@ def test_muon_keywords_name_fismos_spelling() -> None:
 
 @pytest.mark.parametrize("polar, fields", [("svd", "method='svd', steps=5"),
                                            ({"method": "newton_schulz", "eps": 1e-6},
-                                            "method='newton_schulz', eps=1e-06, steps=5")], ids=["name", "dict"])
+                                            "method='newton_schulz', eps=1e-06, steps=5"),
+                                           # Muon's name inside the dict too: FISMO's spelling of it
+                                           # (PolarConfig(ns_steps=...), until 2026-12-02)
+                                           ({"ns_coefficients": (3.0, -3.2, 1.2)},
+                                            "coefficients=((3.0, -3.2, 1.2),), steps=5")],
+                         ids=["name", "dict", "dict-with-muons-name"])
 def test_muon_keywords_beside_a_polar_keep_its_fields_in_the_suggestion(polar, fields) -> None:
     # FISMO(polar=..., ns_steps=5): the suggested PolarConfig dropped the polar given (until 2026-12-02).
     with pytest.raises(TypeError, match=re.escape(f"polar=PolarConfig({fields}) (")):
