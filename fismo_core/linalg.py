@@ -22,10 +22,12 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Optional, Union, overload
 
 from array_api_compat import array_namespace, device
+
+from fismo_core import _autodiff
 
 __all__ = [
     "CUBIC_COEFFICIENTS",
@@ -857,10 +859,9 @@ def inverse_sqrt(
         scaled = A / 2.0**exponent  # the checks hold at any scale
         _check_symmetric(xp, scaled, "inverse_sqrt")
     if method == "eigh":
-        w, V = xp.linalg.eigh(_exact_dtype(xp, A))
-        if checked:  # before the root: a refused A's negative w would make NaN (and NumPy's warning of it)
-            _check_positive_definite(xp, A, w, "inverse_sqrt")
-        return _root_from_eigh(A, w, V)
+        return _eigh_inverse_sqrt(
+            A, before_root=(lambda w: _check_positive_definite(xp, A, w, "inverse_sqrt")) if checked else None
+        )[0]
     if checked:  # one eigvalsh, the cost of the check on the matmul-only path
         _check_positive_definite(xp, A, xp.linalg.eigvalsh(_exact_dtype(xp, scaled)), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))
@@ -887,16 +888,36 @@ def inverse_sqrt(
     return Z / xp.sqrt(scale) / 2.0**half_log4
 
 
-def _eigh_inverse_sqrt(A: Array) -> tuple[Array, Array]:
+def _eigh_inverse_sqrt(A: Array, before_root: Optional[Callable[[Array], None]] = None) -> tuple[Array, Array]:
     """``(A^{-1/2}, w)``: ``V diag(w^{-1/2}) V^T`` in ``A``'s dtype from ``A = V diag(w) V^T``, and the
     eigenvalues ``w`` (ascending, ``(..., d)``) it was made of, for a caller that checks them.
 
     `inverse_sqrt`'s ``"eigh"`` method without its checks (half precision is
-    decomposed in float32, and ``w`` stays float32).
+    decomposed in float32, and ``w`` stays float32). ``before_root(w)``, a
+    check that raises, runs before the root is formed where nothing can
+    differentiate (a refused ``A``'s negative ``w`` would make NaN, and
+    NumPy's warning of it), else after. Where JAX or torch autograd may
+    differentiate, the derivative is the root's own, which holds at
+    repeated eigenvalues (`fismo_core._autodiff`), not the one through
+    ``eigh``'s eigenvectors, which divides by their gaps.
     """
+    if not _autodiff.needs_derivative(A):
+        xp = array_namespace(A)
+        w, V = xp.linalg.eigh(_exact_dtype(xp, A))
+        if before_root is not None:
+            before_root(w)
+        return _root_from_eigh(A, w, V), w
+    root, w = _autodiff.eigh_root(A)
+    if before_root is not None:
+        before_root(w)
+    return root, w
+
+
+def _eigh_root_parts(A: Array) -> tuple[Array, Array, Array]:
+    """``(A^{-1/2}, w, V)`` from ``A = V diag(w) V^T``: `_eigh_inverse_sqrt`'s values, and ``V`` for the derivative."""
     xp = array_namespace(A)
     w, V = xp.linalg.eigh(_exact_dtype(xp, A))
-    return _root_from_eigh(A, w, V), w
+    return _root_from_eigh(A, w, V), w, V
 
 
 def _root_from_eigh(A: Array, w: Array, V: Array) -> Array:

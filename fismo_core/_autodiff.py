@@ -1,0 +1,87 @@
+"""The derivative of the exact inverse square root, for the libraries that differentiate (JAX, torch autograd).
+
+``A^{-1/2} = V diag(w^{-1/2}) V^T`` from ``A = V diag(w) V^T``. Left to the
+libraries, its derivative goes through that of ``eigh``, which divides by the
+gaps ``w_i - w_j``, and FISMO's factors have repeated eigenvalues by
+construction (``P_0 = Q_0 = I``; a gradient with zero rows, as an embedding's
+unused tokens give, keeps those directions of ``P`` on one value): the
+derivative of a loss through a step came out NaN, or wrong where rounding
+left equal eigenvalues a few units apart. The root is a function of
+``A`` alone, and its Fréchet derivative (Daleckii–Krein) needs no gap:
+
+    d(A^{-1/2})[E] = V (F ∘ (V^T E V)) V^T,
+    F_ij = (w_i^{-1/2} - w_j^{-1/2}) / (w_i - w_j) = -1 / (s_i s_j (s_i + s_j)),   s = w^{1/2},
+
+which at ``w_i = w_j`` is the derivative ``-w^{-3/2} / 2`` itself. The
+eigenvalues' own derivative is ``dw_i = (V^T E V)_ii``. ``E`` is taken
+symmetric (``(E + E^T) / 2``): the root reads a symmetric ``A``.
+
+The first derivative is this one; a second differentiates the rule itself,
+whose ``eigh`` has the library's own derivative (exact where the eigenvalues
+are distinct, NaN or wrong where they repeat), in JAX and in torch alike (its
+backward pass decomposes ``A`` again when it builds a graph). Forward mode
+(``jax.jvp``, ``torch.func.jvp``, ``torch.autograd.forward_ad``) gives the
+same first derivative. The rules are in ``_autodiff_jax`` and
+``_autodiff_torch``, imported at first use.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from array_api_compat import array_namespace
+
+Array = Any
+
+
+def inverse_sqrt_divided_differences(w: Array) -> Array:
+    """``F_ij = (w_i^{-1/2} - w_j^{-1/2}) / (w_i - w_j)``, ``-w_i^{-3/2} / 2`` where ``w_i = w_j``: no gap divides."""
+    xp = array_namespace(w)
+    s = xp.sqrt(w)
+    s_i, s_j = s[..., :, None], s[..., None, :]
+    return -1 / ((s_i * s_j) * (s_i + s_j))
+
+
+def inverse_sqrt_derivative(V: Array, F: Array, E: Array) -> tuple[Array, Array]:
+    """``(V (F ∘ (V^T E_s V)) V^T, diag(V^T E_s V))`` with ``E_s = (E + E^T) / 2``: the root's and the
+    eigenvalues' derivatives along ``E``, in ``V``'s dtype. Linear in ``E``, and self-adjoint (``F`` is
+    symmetric), so the same map gives the gradient of a loss from the root's."""
+    xp = array_namespace(V)
+    E = xp.astype(E, V.dtype, copy=False)
+    Vt = xp.matrix_transpose(V)
+    S = Vt @ ((E + xp.matrix_transpose(E)) / 2) @ V
+    return V @ (F * S) @ Vt, xp.linalg.diagonal(S)
+
+
+def needs_derivative(A: Array) -> bool:
+    """Whether a derivative of the root of ``A`` may be asked for: ``A`` is a JAX array (any of its
+    transformations may differentiate), or a torch tensor that requires grad with grad mode on, is
+    inside a ``torch.func`` transform or carries a forward-mode tangent. Neither library is imported
+    for this (``sys.modules``)."""
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(A, jax.Array):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(A, torch.Tensor):
+        return False
+    if A.requires_grad and torch.is_grad_enabled():
+        return True
+    if torch.compiler.is_compiling():  # a compiled step differentiates through autograd (above) only
+        return False
+    return (torch._C._functorch.is_functorch_wrapped_tensor(A)  # torch.func's transforms
+            or torch.autograd.forward_ad.unpack_dual(A).tangent is not None)
+
+
+def eigh_root(A: Array) -> tuple[Array, Array]:
+    """``(A^{-1/2}, w)`` as ``linalg._eigh_root_parts`` gives them, bit for bit, with the derivative above in
+    place of the one through ``eigh``. For ``A`` where `needs_derivative`. The rules live in one module per
+    library, imported here at first use (each imports its library)."""
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(A, jax.Array):
+        from fismo_core import _autodiff_jax
+
+        return _autodiff_jax.inverse_sqrt_by_eigh(A)
+    from fismo_core import _autodiff_torch
+
+    return _autodiff_torch.inverse_sqrt_by_eigh(A)

@@ -1,0 +1,228 @@
+"""The derivative of the exact inverse square root, and of steps made with it (``fismo_core._autodiff``).
+
+Left to JAX and torch, the derivative of ``V diag(w^{-1/2}) V^T`` goes
+through that of ``eigh``, which divides by eigenvalue gaps: at the repeated
+eigenvalues FISMO's factors have (``P_0 = I``; zero rows of a gradient) it
+came out NaN, for the root and for a loss after a few steps. The root's own
+(Daleckii–Krein) derivative is checked here against an exact method that
+does not use it: SciPy's Schur–Padé ``fractional_matrix_power`` of the block
+matrix ``[[A, E], [0, A]]``, whose upper right block is the Fréchet
+derivative of ``A^{-1/2}`` along ``E`` (Higham, *Functions of Matrices*,
+Theorem 3.6).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fismo_core import FISMO
+from fismo_core.linalg import _eigh_root_parts, inverse_sqrt
+from fismo_core.testing import Target, targets, to_numpy
+
+scipy_linalg = pytest.importorskip("scipy.linalg")
+
+#: float64 on every device of the libraries that differentiate (torch's CUDA where there is one).
+TARGETS = {t.id: t for t in targets() if t.dtype == "float64" and t.backend in ("jax", "torch")}
+
+#: Relative Frobenius error of the root's derivative against SciPy's block-matrix
+#: Fréchet derivative, float64, at eigenvalues 0.5 to 9 (condition of the
+#: derivative about 9^{3/2} / 0.5^{3/2} = 76): measured 1.4e-15 to 7.8e-15 (torch and JAX, the
+#: four CPU kernel sets of .ci/run; docs/scripts/root_derivatives.py), a few eigh roundings amplified
+#: by that condition. 1e-12 leaves a factor of 128. The derivative through eigh at repeated
+#: eigenvalues is NaN or off by 0.37 to 1.2, and a wrong divided difference (e.g. f'(w_i) throughout)
+#: by order 1.
+FRECHET_TOLERANCE = 1e-12
+
+
+def _target(target_id: str) -> Target:
+    target = TARGETS[target_id]
+    if not target.available:
+        pytest.skip(target.reason)
+    return target
+
+
+def _symmetric(rng: np.random.Generator, d: int) -> np.ndarray:
+    E = rng.standard_normal((d, d))
+    return E + E.T
+
+
+def _with_eigenvalues(w: list[float], seed: int = 1) -> np.ndarray:
+    Q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((len(w), len(w))))
+    A = (Q * np.asarray(w, dtype=float)) @ Q.T
+    return (A + A.T) / 2
+
+
+def _frechet_reference(A: np.ndarray, E: np.ndarray) -> np.ndarray:
+    d = A.shape[0]
+    block = np.block([[A, E], [np.zeros((d, d)), A]])
+    return np.real(scipy_linalg.fractional_matrix_power(block, -0.5)[:d, d:])
+
+
+def _derivative(target: Target, A: np.ndarray, E: np.ndarray, mode: str) -> np.ndarray:
+    """The derivative of ``inverse_sqrt`` at ``A`` along ``E`` by the target's library: forward mode, or
+    reverse mode as the gradient of ``<A^{-1/2}, E>`` (equal for symmetric ``E``: the map is self-adjoint)."""
+    A_, E_ = target.asarray(A), target.asarray(E)
+    if target.backend == "jax":
+        import jax
+
+        if mode == "forward":
+            return to_numpy(jax.jvp(inverse_sqrt, (A_,), (E_,))[1])
+        return to_numpy(jax.grad(lambda A: (inverse_sqrt(A) * E_).sum())(A_))
+    import torch
+
+    if mode == "forward":
+        return to_numpy(torch.func.jvp(inverse_sqrt, (A_,), (E_,))[1])
+    A_.requires_grad_(True)
+    (grad,) = torch.autograd.grad((inverse_sqrt(A_) * E_).sum(), A_)
+    return to_numpy(grad)
+
+
+def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+
+
+@pytest.mark.numbers
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+@pytest.mark.parametrize("w", [[4.0] * 4, [1.0, 1.0, 1.0, 4.0, 9.0], [0.5, 2.0, 3.0, 4.0, 9.0]],
+                         ids=["all-repeated", "three-repeated", "distinct"])
+def test_root_derivative_is_the_frechet_derivative(target_id: str, mode: str, w: list[float]) -> None:
+    """At ``4 I`` it is ``-E / 16`` (``d(c^{-1/2}) = -c^{-3/2} / 2``); everywhere, SciPy's block-matrix
+    derivative. Through ``eigh``'s own derivative the repeated cases were NaN."""
+    rng = np.random.default_rng(len(w))
+    A = _with_eigenvalues(w)
+    E = _symmetric(rng, len(w))
+    got = _derivative(_target(target_id), A, E, mode)
+    assert np.all(np.isfinite(got))
+    assert _relative_error(got, _frechet_reference(A, E)) <= FRECHET_TOLERANCE
+    if len(set(w)) == 1:
+        assert _relative_error(got, -E / 16) <= FRECHET_TOLERANCE
+
+
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+def test_root_values_are_those_without_a_derivative_bit_for_bit(target_id: str) -> None:
+    """The rule changes the derivative only: torch's root of a tensor that requires grad equals the
+    one under ``no_grad``, and JAX's compiled root the plain composition's, bit for bit."""
+    target = _target(target_id)
+    A = target.asarray(_with_eigenvalues([0.5, 1.0, 1.0, 3.0, 7.0]))
+    if target.backend == "jax":
+        import jax
+
+        plain = jax.jit(lambda A: _eigh_root_parts(A)[0])(A)
+        assert np.array_equal(to_numpy(jax.jit(inverse_sqrt)(A)), to_numpy(plain))
+        return
+    import torch
+
+    with torch.no_grad():
+        plain = inverse_sqrt(A)
+    tracked = inverse_sqrt(A.clone().requires_grad_(True))
+    assert tracked.grad_fn is not None and torch.equal(tracked.detach(), plain)
+
+
+#: Second derivatives along symmetric directions, against the Newton–Schulz root's (products only,
+#: 30 steps: converged to rounding at eigenvalues 4 to 5), float64: measured 5.3e-15 (JAX), 2.0e-14
+#: (torch, create_graph) and 5.7e-15 (torch.func.hessian) apart, under each CPU kernel set.
+#: 1e-10 leaves four orders; dropping the eigenvectors' dependence on ``A`` changes the value by order 1.
+SECOND_DERIVATIVE_TOLERANCE = 1e-10
+
+
+@pytest.mark.numbers
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+def test_second_derivative_is_the_librarys_own(target_id: str) -> None:
+    """A second derivative differentiates the rule, whose ``eigh`` the library differentiates: at
+    distinct eigenvalues it is exact (torch with ``create_graph=True`` and ``torch.func.hessian``, JAX's
+    ``hessian``)."""
+    target = _target(target_id)
+    rng = np.random.default_rng(3)
+    A, C, E1, E2 = (target.asarray(x) for x in (np.diag([4.0, 4.5, 5.0]), *(_symmetric(rng, 3) for _ in range(3))))
+    values = []
+    for method in ("eigh", "newton_schulz"):
+        kw = {"method": method, "steps": 30} if method == "newton_schulz" else {}
+        if target.backend == "jax":
+            import jax
+
+            H = jax.hessian(lambda A: (inverse_sqrt(A, check=False, **kw) * C).sum())(A)
+            values.append(float((E2[:, :, None, None] * H * E1).sum()))
+            continue
+        import torch
+
+        f = lambda A: (inverse_sqrt(A, check=False, **kw) * C).sum()  # noqa: E731
+        A_ = A.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(f(A_), A_, create_graph=True)
+        (h,) = torch.autograd.grad((g * E2).sum(), A_)
+        H = torch.func.hessian(f)(A)
+        values += [float((h * E1).sum()), float(torch.einsum("ij,ijkl,kl->", E2, H, E1))]
+    reference = values[len(values) // 2:]
+    for got, expected in zip(values[:len(values) // 2], reference):
+        assert abs(got - expected) <= SECOND_DERIVATIVE_TOLERANCE * abs(expected)
+
+
+def _loss_after_steps(backend: str, opt: FISMO, shift, steps: int = 2):
+    """``sum(W_2^2)`` after two steps from ``W``, the gradients ``tanh(W) + shift`` depending on ``W``."""
+    if backend == "jax":
+        import jax.numpy as tanh_lib
+    else:
+        import torch as tanh_lib
+
+    def loss(W):
+        state = opt.init(W.detach() if backend == "torch" else W)
+        for _ in range(steps):
+            W, state = opt.step(W, tanh_lib.tanh(W) + shift, state)
+        return (W ** 2).sum()
+
+    return loss
+
+
+@pytest.mark.numbers
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+@pytest.mark.parametrize("settings", [{}, {"nonfinite": "propagate"}, {"block_size": 8}],
+                         ids=["default", "propagate", "blocks"])
+def test_grad_through_steps_with_zero_gradient_rows(target_id: str, settings: dict) -> None:
+    """What backends.md says of differentiating through a step with the exact roots: a gradient whose
+    first rows are zero (an embedding's unused tokens) keeps those directions of ``P`` on one eigenvalue;
+    the gradient of a loss after two steps was NaN everywhere (JAX and torch). It is finite and matches
+    central differences (float64, step 1e-5: truncation ~1e-10; measured agreement 4.8e-10 to 3.4e-9
+    relative over the CPU kernel sets; bound 1e-6, as for Newton–Schulz roots in test_jax.py)."""
+    target = _target(target_id)
+    backend = target.backend
+    rng = np.random.default_rng(0)
+    W0, shift = rng.standard_normal((12, 16)), rng.standard_normal((12, 16))
+    W0[:3] = shift[:3] = 0.0
+    W0, shift = target.asarray(W0), target.asarray(shift)
+    loss = _loss_after_steps(backend, FISMO(**settings), shift)
+    if backend == "jax":
+        import jax
+
+        grad = to_numpy(jax.jit(jax.grad(loss))(W0))
+        value = jax.jit(loss)
+    else:
+        import torch
+
+        W = W0.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(loss(W), W)
+        grad = to_numpy(grad)
+        value = loss
+    assert np.all(np.isfinite(grad))
+    for i, j in [(1, 2), (5, 3), (6, 0)]:
+        e = np.zeros(W0.shape)
+        e[i, j] = 1e-5
+        central = (float(value(W0 + target.asarray(e))) - float(value(W0 - target.asarray(e)))) / 2e-5
+        assert abs(grad[i, j] - central) <= 1e-6 * max(1.0, abs(central)), (i, j)
+
+
+def test_compiled_differentiation_is_one_graph() -> None:
+    """Under ``torch.compile(fullgraph=True)`` the root with its derivative traces into one graph (dynamo
+    traces an ``autograd.Function`` only without a forward-mode rule; the compiled code takes the rule
+    without one) and the gradient at ``4 I`` is still ``-C / 16`` (float64, a few roundings: 1e-12)."""
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.utils import counters
+
+    C = torch.tensor(_symmetric(np.random.default_rng(5), 4))
+    torch._dynamo.reset()
+    counters.clear()
+    loss = torch.compile(lambda A: (inverse_sqrt(A, check=False) * C).sum(), backend="aot_eager", fullgraph=True)
+    A = (4.0 * torch.eye(4, dtype=torch.float64)).requires_grad_(True)
+    loss(A).backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert _relative_error(A.grad.numpy(), -C.numpy() / 16) <= 1e-12
