@@ -101,6 +101,26 @@ def test_root_derivative_is_the_frechet_derivative(target_id: str, mode: str, w:
 
 
 @pytest.mark.parametrize("target_id", sorted(TARGETS))
+def test_batched_root_derivative_under_vmap(target_id: str) -> None:
+    """``jax.vmap(jax.grad(...))`` and ``torch.func.vmap(torch.func.grad(...))`` over a batch holding ``4 I``
+    and a matrix with three equal eigenvalues: each matrix's derivative is its own Fréchet derivative."""
+    target = _target(target_id)
+    A = np.stack([4.0 * np.eye(5), _with_eigenvalues([1.0, 1.0, 1.0, 4.0, 9.0])])
+    E = _symmetric(np.random.default_rng(7), 5)
+    A_, E_ = target.asarray(A), target.asarray(E)
+    if target.backend == "jax":
+        import jax
+
+        got = to_numpy(jax.vmap(jax.grad(lambda A: (inverse_sqrt(A, check=False) * E_).sum()))(A_))
+    else:
+        import torch
+
+        got = to_numpy(torch.func.vmap(torch.func.grad(lambda A: (inverse_sqrt(A, check=False) * E_).sum()))(A_))
+    for k in range(2):
+        assert _relative_error(got[k], _frechet_reference(A[k], E)) <= FRECHET_TOLERANCE
+
+
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
 def test_root_values_are_those_without_a_derivative_bit_for_bit(target_id: str) -> None:
     """The rule changes the derivative only: torch's root of a tensor that requires grad equals the
     one under ``no_grad``, and JAX's compiled root the plain composition's, bit for bit."""
