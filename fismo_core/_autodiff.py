@@ -1,4 +1,6 @@
-"""The derivative of the exact inverse square root, for the libraries that differentiate (JAX, torch autograd).
+"""The derivatives of the exact matrix functions, for the libraries that differentiate (JAX, torch autograd).
+
+**The inverse square root.**
 
 ``A^{-1/2} = V diag(w^{-1/2}) V^T`` from ``A = V diag(w) V^T``. Left to the
 libraries, its derivative goes through that of ``eigh``, which divides by the
@@ -21,14 +23,35 @@ whose ``eigh`` has the library's own derivative (exact where the eigenvalues
 are distinct, NaN or wrong where they repeat), in JAX and in torch alike (its
 backward pass decomposes ``A`` again when it builds a graph). Forward mode
 (``jax.jvp``, ``torch.func.jvp``, ``torch.autograd.forward_ad``) gives the
-same first derivative. The rules are in ``_autodiff_jax`` and
-``_autodiff_torch``, imported at first use.
+same first derivative.
+
+**The polar factor by SVD.** ``polar(X, method="svd") = U diag(k) V^T`` from
+the thin SVD ``X = U diag(s) V^T``, ``k_i = 1`` for a kept singular value
+(``s_i`` above the cut) and 0 for a cut one. The SVD's derivative divides
+by the gaps ``s_i^2 - s_j^2``; at equal singular values (an orthogonal
+``X``, or the zero ones of a rank-deficient ``X``) it came out NaN. The
+polar factor's own derivative, with the kept rank held (``U_k``, ``V_k`` the
+kept singular vectors, ``K = U^T E V``):
+
+    dQ = U Ω V^T + (I - U_k U_k^T) E V_k S_k^{-1} V_k^T + U_k S_k^{-1} U_k^T E (I - V_k V_k^T),
+    Ω_ij = k_i k_j (K_ij - K_ji) / (s_i + s_j),
+
+divides by sums of kept singular values only. For a full-rank ``X`` it is
+the polar factor's derivative (the last two terms vanish for a square
+one, one of them for a tall or wide one); where singular values are cut,
+the polar factor is not continuous in ``X`` (a perturbation lifts them over
+the cut), and this is its derivative along the perturbations that keep the
+rank. The map is self-adjoint, so it also turns the gradient of a loss in
+``Q`` into the one in ``X``.
+
+The rules are in ``_autodiff_jax`` and ``_autodiff_torch``, imported at
+first use.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from array_api_compat import array_namespace
 
@@ -52,6 +75,27 @@ def inverse_sqrt_derivative(V: Array, F: Array, E: Array) -> tuple[Array, Array]
     Vt = xp.matrix_transpose(V)
     S = Vt @ ((E + xp.matrix_transpose(E)) / 2) @ V
     return V @ (F * S) @ Vt, xp.linalg.diagonal(S)
+
+
+def polar_svd_derivative(U: Array, S: Array, Vh: Array, keep: Optional[Array], E: Array) -> Array:
+    """``dQ`` above, the derivative of ``U diag(keep) Vh`` along ``E`` with the kept rank held, in ``U``'s dtype.
+    Linear in ``E`` and self-adjoint. ``keep`` is ``None`` for an empty ``X`` (no singular values)."""
+    xp = array_namespace(U)
+    E = xp.astype(E, U.dtype, copy=False)
+    if keep is None:
+        return xp.zeros_like(E)
+    V, Ut = xp.matrix_transpose(Vh), xp.matrix_transpose(U)
+    one = xp.ones_like(S)
+    kept_pairs = keep[..., :, None] * keep[..., None, :]
+    K = Ut @ E @ V
+    # A cut pair's entry is 0 times anything finite: its denominator and 1 / s are taken as 1 there.
+    sums = xp.where(kept_pairs > 0, S[..., :, None] + S[..., None, :], xp.ones_like(kept_pairs))
+    Omega = kept_pairs * (K - xp.matrix_transpose(K)) / sums
+    inverse = keep / xp.where(keep > 0, S, one)
+    U_k, V_k = U * keep[..., None, :], V * keep[..., None, :]
+    left = E - U_k @ (xp.matrix_transpose(U_k) @ E)
+    right = E - (E @ V_k) @ xp.matrix_transpose(V_k)
+    return U @ Omega @ Vh + left @ (V * inverse[..., None, :]) @ Vh + (U * inverse[..., None, :]) @ (Ut @ right)
 
 
 def needs_derivative(A: Array) -> bool:
@@ -85,3 +129,16 @@ def eigh_root(A: Array) -> tuple[Array, Array]:
     from fismo_core import _autodiff_torch
 
     return _autodiff_torch.inverse_sqrt_by_eigh(A)
+
+
+def polar_by_svd(X: Array, rtol: Optional[float]) -> Array:
+    """``polar(X, method="svd", rtol=rtol)`` as ``linalg._svd_polar_parts`` gives it, bit for bit, with the
+    derivative above in place of the one through the SVD. For ``X`` where `needs_derivative`."""
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(X, jax.Array):
+        from fismo_core import _autodiff_jax
+
+        return _autodiff_jax.polar_by_svd(X, rtol)
+    from fismo_core import _autodiff_torch
+
+    return _autodiff_torch.polar_by_svd(X, rtol)

@@ -1,4 +1,4 @@
-"""JAX's rule for the derivative of the exact inverse square root (`fismo_core._autodiff`): a ``custom_jvp``.
+"""JAX's rules for the derivatives of the exact matrix functions (`fismo_core._autodiff`): ``custom_jvp``s.
 
 JAX transposes the rule's tangent, which is linear in ``dA``, for reverse
 mode, and differentiates the rule itself for a second derivative.
@@ -6,12 +6,13 @@ mode, and differentiates the rule itself for a second derivative.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Optional
 
 import jax
 
-from fismo_core._autodiff import inverse_sqrt_derivative, inverse_sqrt_divided_differences
-from fismo_core.linalg import _eigh_root_parts
+from fismo_core._autodiff import inverse_sqrt_derivative, inverse_sqrt_divided_differences, polar_svd_derivative
+from fismo_core.linalg import _eigh_root_parts, _svd_polar_parts
 
 Array = Any
 
@@ -29,3 +30,18 @@ def _jvp(primals: tuple, tangents: tuple) -> tuple:
     Z, w, V = _eigh_root_parts(A)
     dZ, dw = inverse_sqrt_derivative(V, inverse_sqrt_divided_differences(w), dA)
     return (Z, w), (dZ.astype(Z.dtype), dw)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def polar_by_svd(X: Array, rtol: Optional[float]) -> Array:
+    """``polar(X, method="svd", rtol=rtol)``, bit for bit ``_svd_polar_parts``, with the kept-rank derivative."""
+    return _svd_polar_parts(X, rtol)[0]
+
+
+@polar_by_svd.defjvp
+def _polar_jvp(rtol: Optional[float], primals: tuple, tangents: tuple) -> tuple:
+    (X,), (dX,) = primals, tangents
+    Q, U, S, Vh, keep, s = _svd_polar_parts(X, rtol)
+    if s is not None:  # Q(X) = Q(X / s / s): dX as X was divided
+        dX = dX / s / s
+    return Q, polar_svd_derivative(U, S, Vh, keep, dX).astype(Q.dtype)

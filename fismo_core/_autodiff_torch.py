@@ -1,6 +1,6 @@
-"""torch's rule for the derivative of the exact inverse square root (`fismo_core._autodiff`).
+"""torch's rules for the derivatives of the exact matrix functions (`fismo_core._autodiff`).
 
-Two ``autograd.Function``s: one with a forward-mode rule (``jvp``:
+For each, two ``autograd.Function``s: one with a forward-mode rule (``jvp``:
 ``torch.func.jvp``, ``torch.autograd.forward_ad``, ``torch.func.hessian``)
 for eager code, and one without for compiled code, since dynamo traces an
 ``autograd.Function`` without a graph break only when it defines no
@@ -9,12 +9,12 @@ for eager code, and one without for compiled code, since dynamo traces an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from fismo_core._autodiff import inverse_sqrt_derivative, inverse_sqrt_divided_differences
-from fismo_core.linalg import _eigh_root_parts
+from fismo_core._autodiff import inverse_sqrt_derivative, inverse_sqrt_divided_differences, polar_svd_derivative
+from fismo_core.linalg import _eigh_root_parts, _svd_polar_parts
 
 
 class InverseSqrtByEigh(torch.autograd.Function):
@@ -61,3 +61,53 @@ def inverse_sqrt_by_eigh(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rule = InverseSqrtByEigh if torch.compiler.is_compiling() else InverseSqrtByEighForwardMode
     Z, w, _ = rule.apply(A)
     return Z, w
+
+
+class PolarBySVD(torch.autograd.Function):
+    """``(Q, U, S, Vh, keep, s)`` of ``_svd_polar_parts`` (all but ``Q`` not differentiable), with the
+    kept-rank derivative of ``Q = polar(X, method="svd", rtol=rtol)`` (`fismo_core._autodiff`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(X: torch.Tensor, rtol: Optional[float]) -> tuple[Optional[torch.Tensor], ...]:
+        return _svd_polar_parts(X, rtol)  # keep and s are tensors: polar_by_svd takes no empty X
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        X, ctx.rtol = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(X, *output[1:])
+        ctx.save_for_forward(X, *output[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad_Q: torch.Tensor, *_: Any) -> tuple[torch.Tensor, None]:
+        X, *parts = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # A graph of this gradient is being built (create_graph=True, torch.func): the SVD again, one
+            # autograd follows, so that the second derivative is torch's own.
+            parts = list(_svd_polar_parts(X, ctx.rtol)[1:])
+        return _polar_derivative(X, parts, grad_Q), None
+
+
+class PolarBySVDForwardMode(PolarBySVD):
+    """`PolarBySVD` with the forward-mode rule."""
+
+    @staticmethod
+    def jvp(ctx: Any, dX: torch.Tensor, _: Any) -> tuple[Optional[torch.Tensor], ...]:
+        X, *parts = ctx.saved_tensors
+        return (_polar_derivative(X, parts, dX), None, None, None, None, None)
+
+
+def _polar_derivative(X: torch.Tensor, parts: list, E: torch.Tensor) -> torch.Tensor:
+    U, S, Vh, keep, s = parts
+    return polar_svd_derivative(U, S, Vh, keep, E / s / s).to(X.dtype)  # Q(X) = Q(X / s / s)
+
+
+def polar_by_svd(X: torch.Tensor, rtol: Optional[float]) -> torch.Tensor:
+    """``polar(X, method="svd", rtol=rtol)``, bit for bit ``_svd_polar_parts``, with the kept-rank derivative
+    (an empty ``X``, which has no singular values, as it is)."""
+    if 0 in X.shape[-2:]:
+        return _svd_polar_parts(X, rtol)[0]
+    rule = PolarBySVD if torch.compiler.is_compiling() else PolarBySVDForwardMode
+    return rule.apply(X, rtol)[0]

@@ -695,24 +695,9 @@ def polar(
     if checked:
         _checks_can_run(xp, X, "X", "polar")
     if method == "svd":
-        X_exact = _exact_dtype(xp, X)
-        if X.shape[-1] and X.shape[-2]:
-            # Entries past sqrt of the dtype's max may make s_max infinite, and the cut then dropped every
-            # singular value (a zero result). Such X are decomposed divided by a power of two s^2 (exact, and
-            # polar(X / s^2) = polar(X)); every other X as it is, bit for bit. Twice by s, not once by s^2:
-            # XLA divides by multiplying with the reciprocal, and 2^-1023 is subnormal (flushed to zero).
-            amax = xp.max(xp.abs(X_exact), axis=(-2, -1), keepdims=True)
-            huge = amax >= math.sqrt(float(xp.finfo(X_exact.dtype).max))
-            s = xp.where(huge, _pow2_of(xp.sqrt(amax)), xp.ones_like(amax))
-            X_exact = X_exact / s / s
-        U, S, Vh = xp.linalg.svd(X_exact, full_matrices=False)
-        if S.shape[-1] == 0:  # m or n is 0: nothing to cut
-            return xp.astype(U @ Vh, X.dtype, copy=False)
-        # The default cut is that of the dtype decomposed (float32 for half precision, whose own eps
-        # cut a bfloat16 matrix of side 128 to zero).
-        cut = (default_polar_rtol(X_exact) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
-        keep = xp.astype(S > cut, U.dtype)  # 1 for s > rtol * s_max, else 0: U * 1 is U bit for bit
-        return xp.astype((U * keep[..., None, :]) @ Vh, X.dtype, copy=False)
+        if _autodiff.needs_derivative(X):
+            return _autodiff.polar_by_svd(X, rtol)
+        return _svd_polar_parts(X, rtol)[0]
     if X.shape[-1] == 0 or X.shape[-2] == 0:  # nothing to orthogonalise (and no max to take)
         return xp.zeros_like(X)
     transposed = X.shape[-2] > X.shape[-1]
@@ -924,6 +909,35 @@ def _root_from_eigh(A: Array, w: Array, V: Array) -> Array:
     """``V diag(w^{-1/2}) V^T`` in ``A``'s dtype, from ``A``'s eigendecomposition ``(w, V)``."""
     xp = array_namespace(A)
     return xp.astype((V * (1 / xp.sqrt(w))[..., None, :]) @ xp.matrix_transpose(V), A.dtype, copy=False)
+
+
+def _svd_polar_parts(
+    X: Array, rtol: Optional[float]
+) -> tuple[Array, Array, Array, Array, Optional[Array], Optional[Array]]:
+    """``polar(X, method="svd", rtol=rtol)`` and what it was made of, for its derivative: ``(Q, U, S, Vh,
+    keep, s)``, ``Q = U diag(keep) Vh`` in ``X``'s dtype from the thin SVD of ``X / s / s`` (``s`` a power
+    of two where ``X``'s entries would overflow the SVD, else 1; ``None`` for an empty ``X``), ``keep`` 1
+    for a kept singular value and 0 for a cut one (``None`` where there is none)."""
+    xp = array_namespace(X)
+    X_exact = _exact_dtype(xp, X)
+    s = None
+    if X.shape[-1] and X.shape[-2]:
+        # Entries past sqrt of the dtype's max may make s_max infinite, and the cut then dropped every
+        # singular value (a zero result). Such X are decomposed divided by a power of two s^2 (exact, and
+        # polar(X / s^2) = polar(X)); every other X as it is, bit for bit. Twice by s, not once by s^2:
+        # XLA divides by multiplying with the reciprocal, and 2^-1023 is subnormal (flushed to zero).
+        amax = xp.max(xp.abs(X_exact), axis=(-2, -1), keepdims=True)
+        huge = amax >= math.sqrt(float(xp.finfo(X_exact.dtype).max))
+        s = xp.where(huge, _pow2_of(xp.sqrt(amax)), xp.ones_like(amax))
+        X_exact = X_exact / s / s
+    U, S, Vh = xp.linalg.svd(X_exact, full_matrices=False)
+    if S.shape[-1] == 0:  # m or n is 0: nothing to cut
+        return xp.astype(U @ Vh, X.dtype, copy=False), U, S, Vh, None, s
+    # The default cut is that of the dtype decomposed (float32 for half precision, whose own eps
+    # cut a bfloat16 matrix of side 128 to zero).
+    cut = (default_polar_rtol(X_exact) if rtol is None else rtol) * xp.max(S, axis=-1, keepdims=True)
+    keep = xp.astype(S > cut, U.dtype)  # 1 for s > rtol * s_max, else 0: U * 1 is U bit for bit
+    return xp.astype((U * keep[..., None, :]) @ Vh, X.dtype, copy=False), U, S, Vh, keep, s
 
 
 def inverse_sqrt_steps(coefficients: Coefficients, steps: Optional[int] = None) -> int:

@@ -13,11 +13,13 @@ Theorem 3.6).
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 
 from fismo_core import FISMO
-from fismo_core.linalg import _eigh_root_parts, inverse_sqrt
+from fismo_core.linalg import _eigh_root_parts, _svd_polar_parts, inverse_sqrt, polar
 from fismo_core.testing import Target, targets, to_numpy
 
 scipy_linalg = pytest.importorskip("scipy.linalg")
@@ -28,7 +30,7 @@ TARGETS = {t.id: t for t in targets() if t.dtype == "float64" and t.backend in (
 #: Relative Frobenius error of the root's derivative against SciPy's block-matrix
 #: Fréchet derivative, float64, at eigenvalues 0.5 to 9 (condition of the
 #: derivative about 9^{3/2} / 0.5^{3/2} = 76): measured 1.4e-15 to 7.8e-15 (torch and JAX, the
-#: four CPU kernel sets of .ci/run; docs/scripts/root_derivatives.py), a few eigh roundings amplified
+#: four CPU kernel sets of .ci/run; docs/scripts/exact_derivatives.py), a few eigh roundings amplified
 #: by that condition. 1e-12 leaves a factor of 128. The derivative through eigh at repeated
 #: eigenvalues is NaN or off by 0.37 to 1.2, and a wrong divided difference (e.g. f'(w_i) throughout)
 #: by order 1.
@@ -59,22 +61,27 @@ def _frechet_reference(A: np.ndarray, E: np.ndarray) -> np.ndarray:
     return np.real(scipy_linalg.fractional_matrix_power(block, -0.5)[:d, d:])
 
 
-def _derivative(target: Target, A: np.ndarray, E: np.ndarray, mode: str) -> np.ndarray:
-    """The derivative of ``inverse_sqrt`` at ``A`` along ``E`` by the target's library: forward mode, or
-    reverse mode as the gradient of ``<A^{-1/2}, E>`` (equal for symmetric ``E``: the map is self-adjoint)."""
+def _polar_svd(X: Any) -> Any:
+    return polar(X, method="svd")
+
+
+def _derivative(target: Target, A: np.ndarray, E: np.ndarray, mode: str, f: Callable = inverse_sqrt) -> np.ndarray:
+    """The derivative of ``f`` (``inverse_sqrt``, `_polar_svd`) at ``A`` along ``E`` by the target's library:
+    forward mode, or reverse mode as the gradient of ``<f(A), E>`` (the same: both derivatives are
+    self-adjoint maps, the root's on symmetric ``E``)."""
     A_, E_ = target.asarray(A), target.asarray(E)
     if target.backend == "jax":
         import jax
 
         if mode == "forward":
-            return to_numpy(jax.jvp(inverse_sqrt, (A_,), (E_,))[1])
-        return to_numpy(jax.grad(lambda A: (inverse_sqrt(A) * E_).sum())(A_))
+            return to_numpy(jax.jvp(f, (A_,), (E_,))[1])
+        return to_numpy(jax.grad(lambda A: (f(A) * E_).sum())(A_))
     import torch
 
     if mode == "forward":
-        return to_numpy(torch.func.jvp(inverse_sqrt, (A_,), (E_,))[1])
+        return to_numpy(torch.func.jvp(f, (A_,), (E_,))[1])
     A_.requires_grad_(True)
-    (grad,) = torch.autograd.grad((inverse_sqrt(A_) * E_).sum(), A_)
+    (grad,) = torch.autograd.grad((f(A_) * E_).sum(), A_)
     return to_numpy(grad)
 
 
@@ -120,10 +127,80 @@ def test_batched_root_derivative_under_vmap(target_id: str) -> None:
         assert _relative_error(got[k], _frechet_reference(A[k], E)) <= FRECHET_TOLERANCE
 
 
+def _with_singular_values(s: list[float], shape: tuple[int, int], seed: int = 2) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    U, _ = np.linalg.qr(rng.standard_normal((shape[0], len(s))))
+    V, _ = np.linalg.qr(rng.standard_normal((shape[1], len(s))))
+    return (U * np.asarray(s)) @ V.T
+
+
+def _polar_frechet_reference(X: np.ndarray, E: np.ndarray) -> np.ndarray:
+    """The derivative of ``Q = X (X^T X)^{-1/2}`` (full-rank ``X``, not wide) along ``E``: ``E H^{-1} + X
+    d(H^{-1})``, ``d(H^{-1})`` the inverse root's Fréchet derivative at ``X^T X`` along ``E^T X + X^T E``
+    by SciPy's block matrix: exact, and nothing of the polar rule's formula."""
+    H2 = X.T @ X
+    return (E @ np.real(scipy_linalg.fractional_matrix_power(H2, -0.5))
+            + X @ _frechet_reference(H2, E.T @ X + X.T @ E))
+
+
+#: The polar factor's derivative against `_polar_frechet_reference`, float64: the reference squares the
+#: singular values (condition of X^T X up to 16 here), the rule does not; measured 6.7e-16 to 6.4e-15
+#: (torch and JAX, the four CPU kernel sets; docs/scripts/exact_derivatives.py). 1e-12 as for the root.
+#: Through the SVD's own derivative the cases with equal singular values were NaN or off by 0.07 to 1.2.
+@pytest.mark.numbers
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
 @pytest.mark.parametrize("target_id", sorted(TARGETS))
-def test_root_values_are_those_without_a_derivative_bit_for_bit(target_id: str) -> None:
-    """The rule changes the derivative only: torch's root of a tensor that requires grad equals the
-    one under ``no_grad``, and JAX's compiled root the plain composition's, bit for bit."""
+@pytest.mark.parametrize("singular_values, shape", [
+    ([1.0] * 4, (4, 4)), ([1.0] * 4, (6, 4)), ([1.0] * 4, (4, 6)), ([2.0, 2.0, 1.0, 0.5], (6, 4)),
+    ([4.0, 3.0, 2.0, 1.0], (4, 4)),
+], ids=["orthogonal", "tall-orthonormal", "wide-orthonormal", "two-equal", "distinct"])
+def test_polar_svd_derivative_is_the_frechet_derivative(
+    target_id: str, mode: str, singular_values: list[float], shape: tuple[int, int]
+) -> None:
+    """``polar(X, method="svd")``'s derivative at full-rank ``X`` (orthogonal, orthonormal columns or rows,
+    two equal singular values, distinct ones) against the exact derivative of ``X (X^T X)^{-1/2}`` (of the
+    transpose for a wide ``X``)."""
+    X = _with_singular_values(singular_values, shape)
+    E = np.random.default_rng(len(singular_values)).standard_normal(shape)
+    got = _derivative(_target(target_id), X, E, mode, _polar_svd)
+    expected = _polar_frechet_reference(X, E) if shape[0] >= shape[1] else _polar_frechet_reference(X.T, E.T).T
+    assert np.all(np.isfinite(got))
+    assert _relative_error(got, expected) <= FRECHET_TOLERANCE
+
+
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+def test_polar_svd_derivative_holds_the_rank_of_a_rank_deficient_x(target_id: str) -> None:
+    """At ``X = [[A], [0]]`` (rank 4 of 6 rows: the cut drops two zero singular values) along
+    ``E = [[B], [0]]``, which keeps the rank, ``polar(X + tE) = [[polar(A + tB)], [0]]``: the derivative is
+    ``A``'s, with zero rows. Through the SVD's own derivative it was NaN (two equal zero singular values)."""
+    rng = np.random.default_rng(11)
+    A, B = _with_singular_values([3.0, 2.0, 2.0, 1.0], (4, 4)), rng.standard_normal((4, 4))
+    X, E = np.vstack([A, np.zeros((2, 4))]), np.vstack([B, np.zeros((2, 4))])
+    for mode in ("forward", "reverse"):
+        got = _derivative(_target(target_id), X, E, mode, _polar_svd)
+        assert _relative_error(got[:4], _polar_frechet_reference(A, B)) <= FRECHET_TOLERANCE
+        assert np.all(got[4:] == 0) if mode == "forward" else np.all(np.abs(got[4:]) <= 1e-15)
+
+
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+def test_polar_svd_derivative_of_a_huge_x(target_id: str) -> None:
+    """``X`` past the square root of float64's largest number is decomposed divided by a power of two (its
+    SVD would overflow); ``polar(c X) = polar(X)``, so the derivative at ``2^600 X`` is ``2^-600`` times the
+    one at ``X`` (float64: both from one SVD up to exact powers of two, bound 1e-14)."""
+    target = _target(target_id)
+    X = _with_singular_values([2.0, 2.0, 1.0], (5, 3))
+    E = np.random.default_rng(13).standard_normal((5, 3))
+    for mode in ("forward", "reverse"):
+        at_x = _derivative(target, X, E, mode, _polar_svd)
+        at_huge = _derivative(target, X * 2.0**600, E, mode, _polar_svd)
+        assert np.all(np.isfinite(at_huge)) and np.any(at_huge != 0)
+        assert _relative_error(at_huge * 2.0**600, at_x) <= 1e-14
+
+
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+def test_values_are_those_without_a_derivative_bit_for_bit(target_id: str) -> None:
+    """The rules change the derivatives only: torch's root and SVD polar factor of a tensor that requires
+    grad equal the ones under ``no_grad``, and JAX's compiled ones the plain compositions', bit for bit."""
     target = _target(target_id)
     A = target.asarray(_with_eigenvalues([0.5, 1.0, 1.0, 3.0, 7.0]))
     if target.backend == "jax":
@@ -131,13 +208,16 @@ def test_root_values_are_those_without_a_derivative_bit_for_bit(target_id: str) 
 
         plain = jax.jit(lambda A: _eigh_root_parts(A)[0])(A)
         assert np.array_equal(to_numpy(jax.jit(inverse_sqrt)(A)), to_numpy(plain))
+        plain = jax.jit(lambda A: _svd_polar_parts(A, None)[0])(A)
+        assert np.array_equal(to_numpy(jax.jit(_polar_svd)(A)), to_numpy(plain))
         return
     import torch
 
-    with torch.no_grad():
-        plain = inverse_sqrt(A)
-    tracked = inverse_sqrt(A.clone().requires_grad_(True))
-    assert tracked.grad_fn is not None and torch.equal(tracked.detach(), plain)
+    for f in (inverse_sqrt, _polar_svd):
+        with torch.no_grad():
+            plain = f(A)
+        tracked = f(A.clone().requires_grad_(True))
+        assert tracked.grad_fn is not None and torch.equal(tracked.detach(), plain)
 
 
 #: Second derivatives along symmetric directions, against the Newton–Schulz root's (products only,
@@ -196,8 +276,8 @@ def _loss_after_steps(backend: str, opt: FISMO, shift, steps: int = 2):
 
 @pytest.mark.numbers
 @pytest.mark.parametrize("target_id", sorted(TARGETS))
-@pytest.mark.parametrize("settings", [{}, {"nonfinite": "propagate"}, {"block_size": 8}],
-                         ids=["default", "propagate", "blocks"])
+@pytest.mark.parametrize("settings", [{}, {"nonfinite": "propagate"}, {"block_size": 8}, {"polar": "svd"}],
+                         ids=["default", "propagate", "blocks", "polar-svd"])
 def test_grad_through_steps_with_zero_gradient_rows(target_id: str, settings: dict) -> None:
     """What backends.md says of differentiating through a step with the exact roots: a gradient whose
     first rows are zero (an embedding's unused tokens) keeps those directions of ``P`` on one eigenvalue;
@@ -232,17 +312,22 @@ def test_grad_through_steps_with_zero_gradient_rows(target_id: str, settings: di
 
 
 def test_compiled_differentiation_is_one_graph() -> None:
-    """Under ``torch.compile(fullgraph=True)`` the root with its derivative traces into one graph (dynamo
-    traces an ``autograd.Function`` only without a forward-mode rule; the compiled code takes the rule
-    without one) and the gradient at ``4 I`` is still ``-C / 16`` (float64, a few roundings: 1e-12)."""
+    """Under ``torch.compile(fullgraph=True)`` the root and the SVD polar factor with their derivatives trace
+    into one graph (dynamo traces an ``autograd.Function`` only without a forward-mode rule; compiled code
+    takes the rules without one), and the gradient of ``<(4 I)^{-1/2}, C> + <polar(4 I), D>`` is still
+    ``-C / 16 + (D - D^T) / 8`` (``dQ = (E - E^T) / (s_i + s_j)`` at ``X = 4 I``; float64: 1e-12)."""
     torch = pytest.importorskip("torch")
     from torch._dynamo.utils import counters
 
-    C = torch.tensor(_symmetric(np.random.default_rng(5), 4))
+    rng = np.random.default_rng(5)
+    C, D = torch.tensor(_symmetric(rng, 4)), torch.tensor(rng.standard_normal((4, 4)))
     torch._dynamo.reset()
     counters.clear()
-    loss = torch.compile(lambda A: (inverse_sqrt(A, check=False) * C).sum(), backend="aot_eager", fullgraph=True)
+    loss = torch.compile(lambda A: ((inverse_sqrt(A, check=False) * C).sum()
+                                    + (polar(A, method="svd", check=False) * D).sum()),
+                         backend="aot_eager", fullgraph=True)
     A = (4.0 * torch.eye(4, dtype=torch.float64)).requires_grad_(True)
     loss(A).backward()
     assert counters["stats"]["unique_graphs"] == 1
-    assert _relative_error(A.grad.numpy(), -C.numpy() / 16) <= 1e-12
+    expected = -C.numpy() / 16 + (D.numpy() - D.numpy().T) / 8
+    assert _relative_error(A.grad.numpy(), expected) <= 1e-12

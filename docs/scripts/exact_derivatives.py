@@ -1,4 +1,4 @@
-"""The derivative of the exact inverse square root (docs/linalg.md, "Derivatives"; docs/backends.md).
+"""The derivatives of the exact matrix functions (docs/linalg.md, "Derivatives"; docs/backends.md).
 
 Prints, for JAX and torch in float64:
 
@@ -8,15 +8,20 @@ Prints, for JAX and torch in float64:
    ``fractional_matrix_power([[A, E], [0, A]], -0.5)``), and the same for
    the derivative the library gives through its own ``eigh`` (what FISMO
    used before its rule), at eigenvalues all equal, three equal, or distinct;
+   and the same for ``polar(X, method="svd")`` against the exact derivative
+   of ``X (X^T X)^{-1/2}`` at full-rank ``X`` (orthogonal, orthonormal
+   columns or rows, two equal singular values, distinct ones), and at a
+   rank-deficient ``X = [[A], [0]]`` along ``[[B], [0]]`` (which keeps the
+   rank) against ``A``'s;
 2. the second derivative along two symmetric directions at distinct
    eigenvalues against the 30-step Newton–Schulz root's (JAX's ``hessian``,
    torch's ``create_graph=True`` and ``torch.func.hessian``);
 3. the gradient of ``sum(W_2^2)`` after two FISMO steps from a 12 x 16 ``W``
    whose first 3 rows of gradient are zero, against central differences
    (step 1e-5) at three entries, worst relative error, and its count of
-   non-finite entries; with the rule, and without it (through ``eigh``).
+   non-finite entries; with the rules, and without them (through ``eigh`` and the SVD).
 
-    python docs/scripts/root_derivatives.py     # about 20 s
+    python docs/scripts/exact_derivatives.py     # about 35 s
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import scipy.linalg
 import torch
 
 from fismo_core import FISMO, _autodiff
-from fismo_core.linalg import _eigh_root_parts, inverse_sqrt
+from fismo_core.linalg import _eigh_root_parts, _svd_polar_parts, inverse_sqrt, polar
 
 jax.config.update("jax_enable_x64", True)
 torch.set_default_dtype(torch.float64)
@@ -50,6 +55,21 @@ def with_eigenvalues(w: list[float]) -> np.ndarray:
 def frechet(A: np.ndarray, E: np.ndarray) -> np.ndarray:
     d = len(A)
     return np.real(scipy.linalg.fractional_matrix_power(np.block([[A, E], [np.zeros((d, d)), A]]), -0.5)[:d, d:])
+
+
+def with_singular_values(s: list[float], shape: tuple[int, int]) -> np.ndarray:
+    rng = np.random.default_rng(2)
+    U, _ = np.linalg.qr(rng.standard_normal((shape[0], len(s))))
+    V, _ = np.linalg.qr(rng.standard_normal((shape[1], len(s))))
+    return (U * np.asarray(s)) @ V.T
+
+
+def polar_frechet(X: np.ndarray, E: np.ndarray) -> np.ndarray:
+    """The derivative of X (X^T X)^{-1/2} along E (full rank, m >= n; the transpose's for a wide X)."""
+    if X.shape[0] < X.shape[1]:
+        return polar_frechet(X.T, E.T).T
+    H2 = X.T @ X
+    return E @ np.real(scipy.linalg.fractional_matrix_power(H2, -0.5)) + X @ frechet(H2, E.T @ X + X.T @ E)
 
 
 def derivatives(backend: str, root, A: np.ndarray, E: np.ndarray) -> list[np.ndarray]:
@@ -78,6 +98,30 @@ def first_derivatives() -> None:
                           for d in derivatives(backend, root, A, E)]
                 row.append(f"{name} {max(errors):.1e}")
             print(f"   {backend:5s} {case:11s}: " + ", ".join(row))
+    print("   polar(X, method='svd') against the derivative of X (X^T X)^{-1/2}")
+    rng = np.random.default_rng(11)
+    A, B = with_singular_values([3.0, 2.0, 2.0, 1.0], (4, 4)), rng.standard_normal((4, 4))
+    polar_cases = {
+        "orthogonal 4x4": ([1.0] * 4, (4, 4)), "orthonormal 6x4": ([1.0] * 4, (6, 4)),
+        "orthonormal 4x6": ([1.0] * 4, (4, 6)), "two equal 6x4": ([2.0, 2.0, 1.0, 0.5], (6, 4)),
+        "distinct 4x4": ([4.0, 3.0, 2.0, 1.0], (4, 4)), "rank 4 of 6x4": None,
+    }
+    for backend in ("jax", "torch"):
+        for case, spec in polar_cases.items():
+            if spec is None:  # [[A], [0]] along [[B], [0]]: the kept rank held, A's derivative
+                X, E = np.vstack([A, np.zeros((2, 4))]), np.vstack([B, np.zeros((2, 4))])
+                reference = np.vstack([polar_frechet(A, B), np.zeros((2, 4))])
+            else:
+                X = with_singular_values(*spec)
+                E = np.random.default_rng(len(spec[0])).standard_normal(spec[1])
+                reference = polar_frechet(X, E)
+            row = []
+            for name, f in (("FISMO", lambda X: polar(X, method="svd")),
+                            ("through the SVD", lambda X: _svd_polar_parts(X, None)[0])):
+                errors = [np.linalg.norm(d - reference) / np.linalg.norm(reference)
+                          for d in derivatives(backend, f, X, E)]
+                row.append(f"{name} {max(errors):.1e}")
+            print(f"   {backend:5s} {case:15s}: " + ", ".join(row))
 
 
 def second_derivatives() -> None:
@@ -109,7 +153,7 @@ def through_steps() -> None:
         lib = jnp if backend == "jax" else torch
         as_array = jnp.asarray if backend == "jax" else torch.tensor
         W_, shift_ = as_array(W0), as_array(shift)
-        for settings in ({}, {"nonfinite": "propagate"}, {"block_size": 8}):
+        for settings in ({}, {"nonfinite": "propagate"}, {"block_size": 8}, {"polar": "svd"}):
             opt = FISMO(**settings)
 
             def loss(W):
@@ -119,7 +163,7 @@ def through_steps() -> None:
                 return (W ** 2).sum()
 
             row = []
-            for name, rule in (("FISMO", True), ("through eigh", False)):
+            for name, rule in (("FISMO", True), ("without the rules", False)):
                 _autodiff.needs_derivative = needs_derivative if rule else (lambda A: False)
                 if backend == "jax":
                     grad, value = np.asarray(jax.jit(jax.grad(loss))(W_)), jax.jit(loss)
