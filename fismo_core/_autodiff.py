@@ -99,7 +99,7 @@ def polar_svd_derivative(U: Array, S: Array, Vh: Array, keep: Optional[Array], E
 
 
 def needs_derivative(A: Array) -> bool:
-    """Whether a derivative of the root of ``A`` may be asked for: ``A`` is a JAX array (any of its
+    """Whether a derivative of a matrix function of ``A`` may be asked for: ``A`` is a JAX array (any of its
     transformations may differentiate), or a torch tensor that requires grad with grad mode on, is
     inside a ``torch.func`` transform or carries a forward-mode tangent. Neither library is imported
     for this (``sys.modules``)."""

@@ -220,38 +220,48 @@ def test_values_are_those_without_a_derivative_bit_for_bit(target_id: str) -> No
         assert tracked.grad_fn is not None and torch.equal(tracked.detach(), plain)
 
 
-#: Second derivatives along symmetric directions, against the Newton–Schulz root's (products only,
-#: 30 steps: converged to rounding at eigenvalues 4 to 5), float64: measured 5.3e-15 (JAX), 2.0e-14
-#: (torch, create_graph) and 5.7e-15 (torch.func.hessian) apart, under each CPU kernel set.
+#: Second derivatives along symmetric directions, against the Newton–Schulz twins' (products only,
+#: converged to rounding), float64: the root's measured 5.3e-15 (JAX), 2.0e-14 (torch, create_graph) and
+#: 5.7e-15 (torch.func.hessian) apart under each CPU kernel set, the polar factor's at most 1.6e-16.
 #: 1e-10 leaves four orders; dropping the eigenvectors' dependence on ``A`` changes the value by order 1.
 SECOND_DERIVATIVE_TOLERANCE = 1e-10
 
 
+#: The exact methods and their matmul-only twins at convergence, for the second derivatives: the root by
+#: Newton–Schulz with 30 steps (eigenvalues 4 to 5, along symmetric directions), the polar factor by the
+#: cubic with 20 (singular values 1 to 2, along any directions).
+SECOND_DERIVATIVE_CASES = {
+    "inverse_sqrt": (inverse_sqrt, {}, {"method": "newton_schulz", "steps": 30}, [4.0, 4.5, 5.0], _symmetric),
+    "polar": (polar, {"method": "svd"}, {"method": "newton_schulz", "coefficients": "cubic", "steps": 20},
+              [1.0, 1.5, 2.0], lambda rng, d: rng.standard_normal((d, d))),
+}
+
+
 @pytest.mark.numbers
 @pytest.mark.parametrize("target_id", sorted(TARGETS))
-def test_second_derivative_is_the_librarys_own(target_id: str) -> None:
-    """A second derivative differentiates the rule, whose ``eigh`` the library differentiates: at
-    distinct eigenvalues it is exact (torch with ``create_graph=True`` and ``torch.func.hessian``, JAX's
-    ``hessian``)."""
+@pytest.mark.parametrize("function", sorted(SECOND_DERIVATIVE_CASES))
+def test_second_derivative_is_the_librarys_own(target_id: str, function: str) -> None:
+    """A second derivative differentiates the rule, whose ``eigh`` or ``svd`` the library differentiates:
+    at distinct eigenvalues or singular values it is exact (torch with ``create_graph=True`` and
+    ``torch.func.hessian``, JAX's ``hessian``), as the Newton–Schulz twin's shows."""
     target = _target(target_id)
+    f, exact, products, diagonal, direction = SECOND_DERIVATIVE_CASES[function]
     rng = np.random.default_rng(3)
-    A, C, E1, E2 = (target.asarray(x) for x in (np.diag([4.0, 4.5, 5.0]), *(_symmetric(rng, 3) for _ in range(3))))
+    A, C, E1, E2 = (target.asarray(x) for x in (np.diag(diagonal), *(direction(rng, 3) for _ in range(3))))
     values = []
-    for method in ("eigh", "newton_schulz"):
-        kw = {"method": method, "steps": 30} if method == "newton_schulz" else {}
+    for kw in (exact, products):
+        loss = lambda A: (f(A, check=False, **kw) * C).sum()  # noqa: E731
         if target.backend == "jax":
             import jax
 
-            H = jax.hessian(lambda A: (inverse_sqrt(A, check=False, **kw) * C).sum())(A)
-            values.append(float((E2[:, :, None, None] * H * E1).sum()))
+            values.append(float((E2[:, :, None, None] * jax.hessian(loss)(A) * E1).sum()))
             continue
         import torch
 
-        f = lambda A: (inverse_sqrt(A, check=False, **kw) * C).sum()  # noqa: E731
         A_ = A.clone().requires_grad_(True)
-        (g,) = torch.autograd.grad(f(A_), A_, create_graph=True)
+        (g,) = torch.autograd.grad(loss(A_), A_, create_graph=True)
         (h,) = torch.autograd.grad((g * E2).sum(), A_)
-        H = torch.func.hessian(f)(A)
+        H = torch.func.hessian(loss)(A)
         values += [float((h * E1).sum()), float(torch.einsum("ij,ijkl,kl->", E2, H, E1))]
     reference = values[len(values) // 2:]
     for got, expected in zip(values[:len(values) // 2], reference):

@@ -13,9 +13,10 @@ Prints, for JAX and torch in float64:
    columns or rows, two equal singular values, distinct ones), and at a
    rank-deficient ``X = [[A], [0]]`` along ``[[B], [0]]`` (which keeps the
    rank) against ``A``'s;
-2. the second derivative along two symmetric directions at distinct
-   eigenvalues against the 30-step Newton–Schulz root's (JAX's ``hessian``,
-   torch's ``create_graph=True`` and ``torch.func.hessian``);
+2. the second derivatives along two directions at distinct eigenvalues
+   (singular values) against those of the Newton–Schulz twins at
+   convergence (JAX's ``hessian``, torch's ``create_graph=True`` and
+   ``torch.func.hessian``);
 3. the gradient of ``sum(W_2^2)`` after two FISMO steps from a 12 x 16 ``W``
    whose first 3 rows of gradient are zero, against central differences
    (step 1e-5) at three entries, worst relative error, and its count of
@@ -125,23 +126,31 @@ def first_derivatives() -> None:
 
 
 def second_derivatives() -> None:
-    print("2. second derivative at eigenvalues 4, 4.5, 5 against the Newton-Schulz root's (relative difference)")
-    rng = np.random.default_rng(3)
-    A, C, E1, E2 = np.diag([4.0, 4.5, 5.0]), *(symmetric(rng, 3) for _ in range(3))
-    values: dict[tuple[str, str], float] = {}
-    for method, kw in (("eigh", {}), ("newton_schulz", {"method": "newton_schulz", "steps": 30})):
-        H = jax.hessian(lambda A: (inverse_sqrt(A, check=False, **kw) * C).sum())(jnp.asarray(A))
-        values["jax hessian", method] = float(np.einsum("ij,ijkl,kl->", E2, np.asarray(H), E1))
-        f = lambda A: (inverse_sqrt(A, check=False, **kw) * torch.tensor(C)).sum()  # noqa: E731
-        A_ = torch.tensor(A, requires_grad=True)
-        (g,) = torch.autograd.grad(f(A_), A_, create_graph=True)
-        (h,) = torch.autograd.grad((g * torch.tensor(E2)).sum(), A_)
-        values["torch create_graph", method] = float((h * torch.tensor(E1)).sum())
-        H = torch.func.hessian(f)(torch.tensor(A)).numpy()
-        values["torch.func.hessian", method] = float(np.einsum("ij,ijkl,kl->", E2, H, E1))
-    for name in ("jax hessian", "torch create_graph", "torch.func.hessian"):
-        exact = values[name, "newton_schulz"]
-        print(f"   {name:19s}: {abs(values[name, 'eigh'] - exact) / abs(exact):.1e}")
+    print("2. second derivatives at distinct values against the Newton-Schulz twins' (relative difference)")
+    cases = {  # the function, its exact and matmul-only settings, the diagonal of X, symmetric directions?
+        "inverse_sqrt at eigenvalues 4, 4.5, 5": (inverse_sqrt, {}, {"method": "newton_schulz", "steps": 30},
+                                                  [4.0, 4.5, 5.0], True),
+        "polar at singular values 1, 1.5, 2": (polar, {"method": "svd"},
+                                               {"method": "newton_schulz", "coefficients": "cubic", "steps": 20},
+                                               [1.0, 1.5, 2.0], False),
+    }
+    for case, (f, exact, products, diagonal, symmetric_directions) in cases.items():
+        rng = np.random.default_rng(3)
+        A = np.diag(diagonal)
+        C, E1, E2 = (symmetric(rng, 3) if symmetric_directions else rng.standard_normal((3, 3)) for _ in range(3))
+        values: dict[tuple[str, int], float] = {}
+        for k, kw in enumerate((exact, products)):
+            H = jax.hessian(lambda A: (f(A, check=False, **kw) * C).sum())(jnp.asarray(A))
+            values["jax hessian", k] = float(np.einsum("ij,ijkl,kl->", E2, np.asarray(H), E1))
+            loss = lambda A: (f(A, check=False, **kw) * torch.tensor(C)).sum()  # noqa: E731
+            A_ = torch.tensor(A, requires_grad=True)
+            (g,) = torch.autograd.grad(loss(A_), A_, create_graph=True)
+            (h,) = torch.autograd.grad((g * torch.tensor(E2)).sum(), A_)
+            values["torch create_graph", k] = float((h * torch.tensor(E1)).sum())
+            H = torch.func.hessian(loss)(torch.tensor(A)).numpy()
+            values["torch.func.hessian", k] = float(np.einsum("ij,ijkl,kl->", E2, H, E1))
+        for name in ("jax hessian", "torch create_graph", "torch.func.hessian"):
+            print(f"   {case}, {name:19s}: {abs(values[name, 0] - values[name, 1]) / abs(values[name, 1]):.1e}")
 
 
 def through_steps() -> None:
