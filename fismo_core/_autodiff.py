@@ -117,28 +117,15 @@ def needs_derivative(A: Array) -> bool:
             or torch.autograd.forward_ad.unpack_dual(A).tangent is not None)
 
 
-def eigh_root(A: Array) -> tuple[Array, Array]:
-    """``(A^{-1/2}, w)`` as ``linalg._eigh_root_parts`` gives them, bit for bit, with the derivative above in
-    place of the one through ``eigh``. For ``A`` where `needs_derivative`. The rules live in one module per
-    library, imported here at first use (each imports its library)."""
+def rules(A: Array) -> Any:
+    """The module of ``A``'s library that holds the rules (``_autodiff_jax`` or ``_autodiff_torch``, each with
+    ``inverse_sqrt_by_eigh`` and ``polar_by_svd``), imported at first use: each imports its library. For
+    ``A`` where `needs_derivative`."""
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(A, jax.Array):
         from fismo_core import _autodiff_jax
 
-        return _autodiff_jax.inverse_sqrt_by_eigh(A)
+        return _autodiff_jax
     from fismo_core import _autodiff_torch
 
-    return _autodiff_torch.inverse_sqrt_by_eigh(A)
-
-
-def polar_by_svd(X: Array, rtol: Optional[float]) -> Array:
-    """``polar(X, method="svd", rtol=rtol)`` as ``linalg._svd_polar_parts`` gives it, bit for bit, with the
-    derivative above in place of the one through the SVD. For ``X`` where `needs_derivative`."""
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(X, jax.Array):
-        from fismo_core import _autodiff_jax
-
-        return _autodiff_jax.polar_by_svd(X, rtol)
-    from fismo_core import _autodiff_torch
-
-    return _autodiff_torch.polar_by_svd(X, rtol)
+    return _autodiff_torch

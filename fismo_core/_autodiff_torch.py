@@ -33,16 +33,20 @@ class InverseSqrtByEigh(torch.autograd.Function):
         ctx.mark_non_differentiable(V)
         ctx.save_for_backward(A, w, V)
         ctx.save_for_forward(A, w, V)
+        ctx.set_materialize_grads(False)  # an unused w (the optimizer reads it in its checks only) costs nothing
 
     @staticmethod
-    def backward(ctx: Any, grad_Z: torch.Tensor, grad_w: torch.Tensor, _: Any) -> torch.Tensor:
+    def backward(ctx: Any, grad_Z: Optional[torch.Tensor], grad_w: Optional[torch.Tensor], _: Any) -> torch.Tensor:
         A, w, V = ctx.saved_tensors
         if torch.is_grad_enabled():
             # A graph of this gradient is being built (create_graph=True, torch.func): w and V again, from
             # an eigh autograd follows, so that the second derivative is torch's own, as JAX's is.
             _, w, V = _eigh_root_parts(A)
-        grad_A, _ = inverse_sqrt_derivative(V, inverse_sqrt_divided_differences(w), grad_Z)
-        grad_A = grad_A + (V * grad_w[..., None, :]) @ V.mT
+        grad_A = torch.zeros_like(V)
+        if grad_Z is not None:
+            grad_A, _ = inverse_sqrt_derivative(V, inverse_sqrt_divided_differences(w), grad_Z)
+        if grad_w is not None:
+            grad_A = grad_A + (V * grad_w[..., None, :]) @ V.mT
         return grad_A.to(A.dtype)
 
 

@@ -696,7 +696,7 @@ def polar(
         _checks_can_run(xp, X, "X", "polar")
     if method == "svd":
         if _autodiff.needs_derivative(X):
-            return _autodiff.polar_by_svd(X, rtol)
+            return _autodiff.rules(X).polar_by_svd(X, rtol)
         return _svd_polar_parts(X, rtol)[0]
     if X.shape[-1] == 0 or X.shape[-2] == 0:  # nothing to orthogonalise (and no max to take)
         return xp.zeros_like(X)
@@ -887,21 +887,20 @@ def _eigh_inverse_sqrt(A: Array, before_root: Optional[Callable[[Array], None]] 
     ``eigh``'s eigenvectors, which divides by their gaps.
     """
     if not _autodiff.needs_derivative(A):
-        xp = array_namespace(A)
-        w, V = xp.linalg.eigh(_exact_dtype(xp, A))
-        if before_root is not None:
-            before_root(w)
-        return _root_from_eigh(A, w, V), w
-    root, w = _autodiff.eigh_root(A)
+        return _eigh_root_parts(A, before_root)[:2]
+    root, w = _autodiff.rules(A).inverse_sqrt_by_eigh(A)
     if before_root is not None:
         before_root(w)
     return root, w
 
 
-def _eigh_root_parts(A: Array) -> tuple[Array, Array, Array]:
-    """``(A^{-1/2}, w, V)`` from ``A = V diag(w) V^T``: `_eigh_inverse_sqrt`'s values, and ``V`` for the derivative."""
+def _eigh_root_parts(A: Array, before_root: Optional[Callable[[Array], None]] = None) -> tuple[Array, Array, Array]:
+    """``(A^{-1/2}, w, V)`` from ``A = V diag(w) V^T``: `_eigh_inverse_sqrt`'s values, and ``V`` for the
+    derivative; ``before_root(w)`` runs between the decomposition and the root."""
     xp = array_namespace(A)
     w, V = xp.linalg.eigh(_exact_dtype(xp, A))
+    if before_root is not None:
+        before_root(w)
     return _root_from_eigh(A, w, V), w, V
 
 
