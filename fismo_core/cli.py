@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--against", metavar="PATH", help="check against the reference file PATH instead of computing NumPy float64 here"
     )
     verify.add_argument("--explain", action="store_true", help="print every line's error at each failure")
+    verify.set_defaults(command_parser=verify)  # its usage errors print its usage line, not the top level's
     demo = sub.add_parser(
         "demo",
         help="train small models on CPU with FISMO, Muon, AdamW, SGD and SOAP; write tables and plots",
@@ -55,19 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="training steps of every task (overrides the preset)")
     demo.add_argument("--jobs", type=int, default=2, help="runs in parallel, one torch thread each (default 2)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(command_parser=demo)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    usage_error = args.command_parser.error  # "usage: fismo verify ..." and "fismo verify: error: ..."
     if args.command == "verify":
         if args.steps is not None and args.steps < 1:
-            parser.error("verify: --steps must be a positive integer")
+            usage_error("--steps must be a positive integer")
         if args.seed is not None and args.seed < 0:  # NumPy's generators take seeds >= 0
-            parser.error("verify: --seed must be an integer >= 0")
+            usage_error("--seed must be an integer >= 0")
         if args.against is not None and (args.steps is not None or args.seed is not None or args.save is not None):
-            parser.error("verify: --against takes the streams, steps and seed from the reference file; "
+            usage_error("--against takes the streams, steps and seed from the reference file; "
                          "drop --steps, --seed and --save")
         from .verify import main as verify_main
 
@@ -82,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name in ("seeds", "steps", "jobs"):
             value = getattr(args, name)
             if value is not None and value < 1:
-                parser.error(f"demo: --{name} must be a positive integer")
+                usage_error(f"--{name} must be a positive integer")
         from .demo import default_config
         from .demo import main as demo_main
         from .demo import out_directory
@@ -97,13 +100,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 jobs=args.jobs,
             )
         except ValueError as exc:  # an unknown task or optimizer name
-            parser.error(f"demo: {exc}")
+            usage_error(str(exc))
         if os.path.exists(args.out) and not os.path.isdir(args.out):
-            parser.error(f"demo: --out {args.out} is a file; the report is a directory")
+            usage_error(f"--out {args.out} is a file; the report is a directory")
         try:
             out_directory(args.out)
         except OSError as exc:  # before the runs, not after them
-            parser.error(f"demo: {exc}")
+            usage_error(str(exc))
         command = " ".join(["fismo", *(argv if argv is not None else sys.argv[1:])])
         return demo_main(config, args.out, progress=not args.no_progress, command=command)
     raise AssertionError(args.command)  # argparse rejects unknown commands

@@ -19,6 +19,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -676,6 +677,10 @@ def test_command_line_runs_and_reports(tmp_path: Path) -> None:
     assert sorted(r["lr"] for r in payload["runs"]) == grid["lrs"]
     last = printed.getvalue().strip().splitlines()[-1]
     assert last.startswith(f"Wrote {tmp_path}/report.md") and "2 PNG figures" in last, last
+    # AdamW's updates have a condition number; no FISMO ran, so no preconditioner table, not an empty one.
+    report = (tmp_path / "report.md").read_text()
+    assert "Condition number of the updates" in report and "FISMO's preconditioners" not in report
+    assert not re.search(r"^\|[^\n]*\|\n\|[ -:|]*\|\n(?!\|)", report, re.M), "a table with no rows"
 
 
 def test_demo_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:

@@ -580,7 +580,7 @@ def test_demo_out_that_cannot_be_written_is_a_usage_error_before_any_run(
         with pytest.raises(SystemExit) as exc:
             cli_main(["demo", "--quick", "--out", out])
         err = capsys.readouterr().err
-        assert exc.value.code == 2 and f"demo: cannot write the report to {out}: " in err, err
+        assert exc.value.code == 2 and f"fismo demo: error: cannot write the report to {out}: " in err, err
         with pytest.raises(OSError, match=f"cannot write the report to {re.escape(out)}: "):
             demo.main(demo.default_config(True), out)
 
@@ -695,6 +695,18 @@ def test_cli_rejects_non_positive_steps(steps: str, capsys) -> None:
         cli_main(["verify", "--steps", steps])
     assert exc.value.code == 2  # a usage error, not a verification failure (1)
     assert "--steps must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["verify", "--steps", "0"], ["verify", "--seed", "-1"], ["demo", "--jobs", "0"],
+                                  ["demo", "--optimizers", "Adam"]])
+def test_a_subcommand_usage_error_prints_the_subcommand_usage(argv: list[str], capsys) -> None:
+    """``fismo demo --jobs 0`` printed the top level's ``usage: fismo [-h] [--version] {verify,demo} ...``,
+    which names none of the option at fault (a user's hunt, 2026-12-03)."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert err.startswith(f"usage: fismo {argv[0]} [-h]") and f"\nfismo {argv[0]}: error: " in err, err
 
 
 def test_cli_rejects_non_integer_steps() -> None:

@@ -700,15 +700,13 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
             sweep_table(results, task),
             "",
             extension_note(results, task),
-            "",
-            "Condition number of the updates of the hidden matrices:",
-            "",
-            condition_table(results, task),
-            "",
-            "FISMO's preconditioners:",
-            "",
-            preconditioner_table(results, task),
         ]
+        # Each table only where an optimizer that measures it ran (--optimizers SGD: headers with no rows).
+        for heading, table in (("Condition number of the updates of the hidden matrices:", condition_table),
+                               ("FISMO's preconditioners:", preconditioner_table)):
+            written_table = table(results, task)
+            if written_table.count("\n") > 1:  # a header, its rule, and at least one row
+                parts += ["", heading, "", written_table]
         if blocks:
             parts += ["", "Block-diagonal factors (same lr and seeds as the full factors):", "", blocks]
         bf16 = bf16_table(results, task)
