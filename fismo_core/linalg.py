@@ -228,6 +228,27 @@ def _exact_dtype(xp: Any, A: Array) -> Array:
     return xp.astype(A, xp.float32) if xp.finfo(A.dtype).bits < 32 else A
 
 
+def _frobenius_norm(xp: Any, Y: Array) -> Array:
+    """``||Y||_F`` per matrix, shape ``(..., 1, 1)`` in ``Y``'s dtype, as the Newton–Schulz normalisations take it.
+
+    The sum of squares runs in at least float32: float16's overflowed past
+    about 16k entries of size 2 (a zero `polar`, a non-finite
+    `inverse_sqrt`, on NumPy and JAX). Where a derivative may be asked for,
+    a zero matrix's norm is taken of ones and replaced by 0: the norm's
+    derivative at 0 is 0/0, NaN in JAX even where the caller multiplies it
+    by 0 (`polar` at ``X = 0`` had a NaN derivative where the map is
+    ``X / eps`` through a polynomial). The values are the same either way.
+    """
+    def norm_of(Y: Array) -> Array:
+        return xp.astype(xp.linalg.matrix_norm(_exact_dtype(xp, Y), keepdims=True), Y.dtype, copy=False)
+
+    if not _autodiff.needs_derivative(Y):
+        return norm_of(Y)
+    nonzero = xp.any(Y != 0, axis=(-2, -1), keepdims=True)
+    norm = norm_of(xp.where(nonzero, Y, xp.ones_like(Y)))
+    return xp.where(nonzero, norm, xp.zeros_like(norm))
+
+
 def _is_traced(x: Any) -> bool:
     """Whether ``x`` is a traced JAX array (``jax.jit``, ``grad``, ``vmap``), found without asking it.
 
@@ -711,8 +732,7 @@ def polar(
     eps = max(float(eps), float(xp.finfo(X.dtype).smallest_normal))
     s = _pow2_of(xp.max(xp.abs(Y), axis=(-2, -1), keepdims=True), min(eps, 1.0))
     Y = Y / s
-    # The sum of squares in at least float32: float16's overflowed past about 16k entries of Y / s.
-    norm = xp.astype(xp.linalg.matrix_norm(_exact_dtype(xp, Y), keepdims=True), Y.dtype, copy=False)
+    norm = _frobenius_norm(xp, Y)
     # maximum, not clip: array-api-compat's CuPy clip indexes with a mask, a host sync.
     Y = Y / xp.maximum(safety * norm, eps / s)
     # The normalisation above runs in X's dtype (a bfloat16 norm would lose the scale);
@@ -859,7 +879,7 @@ def inverse_sqrt(
     smallest_half_log4 = math.ceil(math.log2(float(finfo.smallest_normal) * float(finfo.eps)) / 2)
     half_log4 = xp.maximum(xp.floor(exponent / 2), xp.full_like(exponent, smallest_half_log4))
     A = A / 4.0**half_log4
-    scale = safety**2 * xp.linalg.matrix_norm(A, keepdims=True)
+    scale = safety**2 * _frobenius_norm(xp, A)
     Y = A / scale
     Z = None  # Z_0 = I, so the first step needs neither Z Y nor T Z
     for k, (a, b, c) in enumerate(schedule):
@@ -945,6 +965,8 @@ def inverse_sqrt_steps(coefficients: Coefficients, steps: Optional[int] = None) 
     Raises ``ValueError`` for ``"muon"`` (not convergent) and for malformed
     coefficients or steps.
     """
+    if isinstance(coefficients, Iterator):  # read twice below: validated, then counted
+        coefficients = tuple(coefficients)
     if isinstance(coefficients, str) and coefficients == "muon":
         raise ValueError(
             "coefficients='muon' does not converge (p(1) = 0.70), and an inverse square root must: "

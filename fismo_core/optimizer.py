@@ -1544,7 +1544,7 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
                 f"state.{name} must be an integer count (FISMO.init makes int32), got {counter.dtype}: was the state "
                 "cast (optax.tree.cast casts it too)?"
             )
-    if isinstance(state.step, numbers.Integral):  # from_dict's rule (an array step may be traced: not read)
+    if isinstance(state.step, numbers.Number):  # from_dict's rule (an array step may be traced: not read)
         _saved_integer(state.step, "step")
     return xp
 

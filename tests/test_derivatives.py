@@ -107,6 +107,50 @@ def test_root_derivative_is_the_frechet_derivative(target_id: str, mode: str, w:
         assert _relative_error(got, -E / 16) <= FRECHET_TOLERANCE
 
 
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+@pytest.mark.parametrize("target_id", sorted(TARGETS))
+def test_newton_schulz_polar_derivative_at_a_zero_matrix(target_id: str, mode: str) -> None:
+    """Near ``X = 0`` the Newton–Schulz polar is ``X / eps`` through the iteration, whose linear term is ``a``
+    per step: the derivative at 0 is ``a^5 E / eps`` (Muon's ``a = 3.4445``, 5 steps, ``eps = 1e-7``). JAX gave
+    NaN there (the norm's derivative at 0, multiplied by 0), for a zero matrix inside a batch too; torch
+    gave this value. The batch's other matrix is checked against central differences."""
+    target = _target(target_id)
+    rng = np.random.default_rng(3)
+    X = np.stack([np.zeros((3, 5)), rng.standard_normal((3, 5))])
+    E = rng.standard_normal((2, 3, 5))
+    got = _derivative(target, X, E, mode, polar)
+    assert np.all(np.isfinite(got))
+    # Both sides are a product of float64 numbers and the derivative is linear in E: a few roundings.
+    assert _relative_error(got[0], 3.4445**5 * E[0] / 1e-7) <= 1e-13
+    h = 1e-6  # float64 central differences: truncation ~h^2 times third derivatives of order 1, rounding ~1e-10
+    numpy_polar = lambda Y: polar(Y)  # noqa: E731  (NumPy float64, no derivative asked for)
+    central = (numpy_polar(X[1] + h * E[1]) - numpy_polar(X[1] - h * E[1])) / (2 * h)
+    if mode == "forward":
+        assert _relative_error(got[1], central) <= 1e-7
+    else:  # the gradient of <polar(X), E> is the adjoint applied to E; its pairing with E is the forward one's
+        assert abs(float(np.sum(got[1] * E[1])) - float(np.sum(central * E[1]))) <= 1e-7 * float(np.sum(np.abs(central * E[1])))
+
+
+def test_derivative_of_a_step_at_a_zero_gradient_is_finite_and_the_same_in_jax_and_torch() -> None:
+    """d ||W_1||^2 / dG at ``G = 0`` (a matrix no sample touched) through the default step: NaN in JAX until
+    the Newton–Schulz norm's derivative at 0 was mended, finite in torch. Both libraries now agree."""
+    jax_target, torch = _target("jax-cpu-float64"), pytest.importorskip("torch")
+    import jax
+
+    opt = FISMO()
+    W = np.random.default_rng(5).standard_normal((4, 3))
+
+    def loss(W, G):
+        return (opt.step(W, G, opt.init(W))[0] ** 2).sum()
+
+    got_jax = to_numpy(jax.grad(loss, argnums=1)(jax_target.asarray(W), jax_target.asarray(np.zeros((4, 3)))))
+    G = torch.zeros((4, 3), dtype=torch.float64, requires_grad=True)
+    (got_torch,) = torch.autograd.grad(loss(torch.from_numpy(W), G), G)
+    assert np.all(np.isfinite(got_jax)) and np.all(np.isfinite(got_torch.numpy()))
+    # Of order a^5 / eps ~ 5e9: the two libraries' products round apart by a few units of float64.
+    assert _relative_error(got_jax, got_torch.numpy()) <= 1e-12
+
+
 @pytest.mark.parametrize("target_id", sorted(TARGETS))
 def test_batched_derivatives_under_vmap(target_id: str) -> None:
     """``jax.vmap(jax.grad(...))`` and ``torch.func.vmap(torch.func.grad(...))`` over a batch holding ``4 I``

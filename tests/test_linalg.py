@@ -580,6 +580,25 @@ def test_newton_schulz_polar_of_a_large_float16_matrix_is_not_zero() -> None:
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, target.id
 
 
+def test_newton_schulz_inverse_sqrt_of_a_large_float16_matrix_is_finite() -> None:
+    """The Newton–Schulz root's scale ``||A||_F`` was summed in float16: ``A = 1.5 J + 0.4 I`` (d = 256, entries
+    of ``A / 4^j`` near 0.5, a sum of squares near 6e4 at float16's 65504) gave a non-finite root on NumPy and
+    JAX (torch sums in float32), with ``check=False`` as linalg.md advises for a matrix float16's check calls
+    singular. The scale is summed in float32 now, as `polar`'s norm is."""
+    d = 256
+    A = 1.5 * np.ones((d, d)) + 0.4 * np.eye(d)  # eigenvalues 0.4 and 384.4
+    want = inverse_sqrt(A)
+    for target in targets(dtypes=["float32"]):
+        if not target.available or getattr(target.xp, "float16", None) is None:
+            continue
+        half = target.xp.astype(target.asarray(A), target.xp.float16)
+        got = to_numpy(inverse_sqrt(half, method="newton_schulz", steps=12, check=False)).astype(np.float64)
+        # Products and iteration in float16 (unit roundoff 4.9e-4), kappa ~ 1e3: measured 6.0e-4 (torch) and
+        # 1.3e-3 (NumPy, JAX) from float64's root; the overflow gave 1.0 (a zero or non-finite root).
+        assert np.all(np.isfinite(got)), target.id
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, target.id
+
+
 def test_newton_schulz_polar_of_half_precision_matrices_up_to_the_largest_number() -> None:
     """float16 and bfloat16 matrices whose largest entry is the dtype's largest number: ``log2`` of it rounds
     up (float16 16, bfloat16 128), so the scale was that power of two, outside the range (infinite), and the
@@ -726,6 +745,9 @@ def test_inverse_sqrt_default_steps_cover_kappa_1e6() -> None:
     for name in INV_SQRT_SCHEDULES:
         assert INVERSE_SQRT_STEPS[name] == scalar_inverse_sqrt_steps(1e6, name)
         assert inverse_sqrt_steps(name) == INVERSE_SQRT_STEPS[name]
+    # Triples given as an iterator count as the same list (the count was 0: validating read them all).
+    triples = [(1.5, -0.5, 0.0)] * 4
+    assert inverse_sqrt_steps(iter(triples)) == inverse_sqrt_steps(map(tuple, triples)) == inverse_sqrt_steps(triples) == 4
     A = spd_batch(1e4)
     reference = inverse_sqrt_reference(A)
     kf = float(np.max(kappa_frobenius(A)))
