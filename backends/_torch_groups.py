@@ -219,7 +219,12 @@ def check_group_settings(param_groups: list, source: str = "since it was added")
         where = f"param group {index}"
         # A FISMO group holds FISMO's keys from the start (route_group; "beta", "gamma" and "mu" since the
         # first checkpoints, which lack the later ones), an AdamW group none of them.
-        added_as = "fismo" if all(k in group for k in ("beta", "gamma", "mu")) else "adamw"
+        fismo_keys = [k for k in ("beta", "gamma", "mu") if k in group]
+        if group["algorithm"] == "fismo" and 0 < len(fismo_keys) < 3:  # not an AdamW group: one was deleted
+            missing = [k for k in ("beta", "gamma", "mu") if k not in group]
+            raise ValueError(f"{where} is a FISMO group without {missing} (removed {source}); set "
+                             f"{'it' if len(missing) == 1 else 'them'} again in the group")
+        added_as = "fismo" if len(fismo_keys) == 3 else "adamw"
         if group["algorithm"] != added_as:
             raise ValueError(
                 f"{where}: algorithm {group['algorithm']!r} set in a group added as {added_as!r}; "
@@ -279,7 +284,11 @@ def check_states_fit(param_groups: list, state: Any) -> None:
     another shape comes from a resized parameter (a grown vocabulary, a widened layer)."""
     for index, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
-            s = state.get(p) if p.grad is not None else None
+            if p.grad is None:
+                continue
+            if self_overlaps(p):  # appended to an AdamW group's list, or p.data replaced, since it was checked
+                refuse_self_overlap(p, param_name(group, i, index, shape=False))
+            s = state.get(p)
             if not s:
                 continue
             if group["algorithm"] == "fismo":
@@ -298,6 +307,12 @@ def check_states_fit(param_groups: list, state: Any) -> None:
                         f"{param_name(group, i, index)}: its AdamW state {key!r} has shape {tuple(value.shape)}, "
                         "not the parameter's (resized since the state was made or loaded); nothing "
                         "was stepped. Start this parameter's state anew (del opt.state[p]) or load a state of its shape"
+                    )
+                if isinstance(value, torch.Tensor) and self_overlaps(value):  # torch.optim.AdamW updates it in place
+                    raise ValueError(
+                        f"{param_name(group, i, index)}: its AdamW state {key!r} has strides {tuple(value.stride())}: "
+                        "elements along a stride of 0 share one memory location, which the in-place update cannot "
+                        "write; nothing was stepped. Give it memory of its own (opt.state[p][key] = value.clone())"
                     )
             if group["amsgrad"] and "max_exp_avg_sq" not in s:
                 raise ValueError(
@@ -436,13 +451,18 @@ def validate_matrix_param(p: Any, name: str) -> None:
         )
 
 
+def self_overlaps(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (a stride of 0 along an axis of more than one element)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
 def refuse_self_overlap(p: torch.Tensor, name: str) -> None:
     """A tensor whose elements share memory (``expand``: a stride of 0) cannot be updated in place.
 
     torch raises at the in-place update, in the middle of a step, after the
     parameters before it have stepped; refused here, before anything changes.
     """
-    if any(stride == 0 and size > 1 for size, stride in zip(p.shape, p.stride())):
+    if self_overlaps(p):
         raise ValueError(
             f"{name} has shape {tuple(p.shape)} and strides {tuple(p.stride())}: elements along a stride of 0 "
             "share one memory location (an expanded tensor), which an in-place update cannot write; "

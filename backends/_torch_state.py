@@ -49,6 +49,7 @@ from ._torch_groups import (
     make_core,
     param_name,
     scalar_dtype,
+    self_overlaps,
 )
 
 #: The tensors FISMO keeps per matrix parameter, in ``FISMOState`` order. A side split into
@@ -288,6 +289,13 @@ def _check_adamw_saved_state(saved: dict, p: torch.Tensor, name: str, saved_grou
                 "parameter's: a checkpoint of another model (a resized embedding, say); nothing "
                 "was loaded. Load the others and start this parameter's state anew (drop its entry from the "
                 "checkpoint's 'state')"
+            )
+        if key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and isinstance(value, torch.Tensor) \
+                and self_overlaps(value):  # torch.save keeps an expanded tensor's strides
+            raise ValueError(
+                f"the checkpoint's AdamW state {key!r} for {name} has strides {tuple(value.stride())}: elements "
+                "along a stride of 0 share one memory location, which AdamW's in-place update cannot write; "
+                "nothing was loaded. Store it with memory of its own (value.clone()) in the checkpoint"
             )
         if isinstance(value, torch.Tensor) and value.ndim and is_dtensor(value) != is_dtensor(p):
             kind = {True: "a DTensor", False: "a plain tensor"}

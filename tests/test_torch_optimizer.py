@@ -537,6 +537,80 @@ def test_a_self_overlapping_parameter_is_refused_before_anything_changes(algorit
         opt.param_groups[0]["params"].pop()
 
 
+def _mixed_optimizer_after_one_step() -> tuple[FISMO, torch.nn.Parameter, torch.nn.Parameter]:
+    """A FISMO matrix ``W`` (group 0) and an AdamW vector ``b`` (group 1), stepped once, gradients set again."""
+    torch.manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
+    W.grad, b.grad = torch.randn(4, 3), torch.randn(4)
+    opt.step()
+    W.grad, b.grad = torch.randn(4, 3), torch.randn(4)
+    return opt, W, b
+
+
+def _snapshot(opt: FISMO) -> dict:
+    """Every parameter's values and state, copied."""
+    return {id(p): (p.detach().clone(), copy.deepcopy(opt.state.get(p, {})))
+            for group in opt.param_groups for p in group["params"]}
+
+
+def _unchanged(opt: FISMO, before: dict) -> bool:
+    """Whether every parameter and state equals `_snapshot`'s ``before`` bit for bit."""
+    after = _snapshot(opt)
+    return after.keys() == before.keys() and all(
+        torch.equal(after[k][0], before[k][0]) and after[k][1].keys() == before[k][1].keys()
+        and all(torch.equal(after[k][1][key], v) for key, v in before[k][1].items()) for k in before)
+
+
+@pytest.mark.parametrize("case", ["appended-to-adamw", "fismo-data-replaced", "adamw-data-replaced",
+                                  "adamw-state-edited", "adamw-state-loaded"])
+def test_self_overlap_arising_after_the_checks_is_refused_before_anything_changes(case):
+    """Expanded tensors (a stride of 0) that reached the step after the group's checks, found by a user's
+    hunt (2026-12-03): one appended to an AdamW group's list, a parameter's ``.data`` replaced by one, an
+    AdamW moment set or loaded as one. torch raised at the in-place update, after the FISMO group had
+    stepped (its matrices and step counts changed). Now refused before anything changes; a checkpoint at
+    ``load_state_dict``, before anything is loaded."""
+    opt, W, b = _mixed_optimizer_after_one_step()
+    expanded = torch.randn(1, 3).expand(4, 3)
+    if case == "appended-to-adamw":
+        e = torch.nn.Parameter(expanded)
+        e.grad = torch.randn(4, 3)
+        opt.param_groups[1]["params"].append(e)
+        match = r"parameter 1 of param group 1 has shape \(4, 3\) and strides \(0, 1\)"
+    elif case == "fismo-data-replaced":
+        W.data = expanded
+        match = r"parameter 0 of param group 0 has shape \(4, 3\) and strides \(0, 1\)"
+    elif case == "adamw-data-replaced":
+        b.data = torch.randn(1).expand(4)
+        match = r"parameter 0 of param group 1 has shape \(4,\) and strides \(0,\)"
+    elif case == "adamw-state-edited":
+        opt.state[b]["exp_avg"] = torch.zeros(1).expand(4)
+        match = r"its AdamW state 'exp_avg' has strides \(0,\).*nothing was stepped"
+    else:
+        saved = copy.deepcopy(opt.state_dict())
+        saved["state"][1]["exp_avg_sq"] = torch.zeros(1).expand(4)
+        before = _snapshot(opt)
+        with pytest.raises(ValueError, match=r"AdamW state 'exp_avg_sq' for .* has strides \(0,\).*nothing was loaded"):
+            opt.load_state_dict(saved)
+        assert _unchanged(opt, before)
+        return
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert _unchanged(opt, before)
+
+
+def test_a_deleted_fismo_key_is_named() -> None:
+    """``del group["beta"]`` in a FISMO group was reported as "algorithm 'fismo' set in a group added as
+    'adamw'" (the check guessed the group's kind from its keys)."""
+    opt, W, _ = _mixed_optimizer_after_one_step()
+    del opt.param_groups[0]["beta"]
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"param group 0 is a FISMO group without \['beta'\] \(removed since it was added\)"):
+        opt.step()
+    assert _unchanged(opt, before)
+
+
 def test_sparse_gradient_raises_before_anything_changes():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     lin = torch.nn.Linear(4, 4, bias=False)
