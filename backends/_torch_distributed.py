@@ -62,10 +62,13 @@ def shard_mesh_dim(p: Any) -> Optional[int]:
     return sharded[0] if sharded else None
 
 
-def shard_group(p: Any) -> Any:
-    """The process group across which a ``DTensor``'s shards lie (``None`` if it is replicated everywhere)."""
-    mesh_dim = shard_mesh_dim(p)
-    return None if mesh_dim is None else p.device_mesh.get_group(mesh_dim)
+def mesh_groups(p: Any) -> Optional[tuple]:
+    """The process groups of every dimension of a sharded ``DTensor``'s mesh (``None`` if it is replicated
+    everywhere): the shard group (FSDP2, TP) and, for HSDP, the replicate group too. A flag all-reduced over
+    each in turn is agreed by every rank of the mesh."""
+    if shard_mesh_dim(p) is None:
+        return None
+    return tuple(p.device_mesh.get_group(d) for d in range(p.device_mesh.ndim))
 
 
 def validate_dtensor(p: Any, name: str) -> None:

@@ -39,7 +39,7 @@ from ._torch_distributed import (
     is_dtensor,
     local_device,
     local_tensor,
-    shard_group,
+    mesh_groups,
 )
 from ._torch_groups import (
     CORE_DEFAULTS,
@@ -426,9 +426,10 @@ def _agree_across_shards(checks: list, extra: tuple[list, torch.Tensor]) -> tupl
 def _agree_across_shards(
     checks: list, extra: Optional[tuple[list, torch.Tensor]] = None
 ) -> tuple[list, Optional[torch.Tensor]]:
-    """A sharded (``DTensor``) parameter's flag, reduced (minimum) over its shard group: one all-reduce per group.
+    """A sharded (``DTensor``) parameter's flag, reduced (minimum) over its mesh: one all-reduce per mesh dimension.
 
-    Replicas (HSDP) hold the same shards, so the shard group alone decides; every rank then takes the same decision.
+    Over the shard group and (HSDP) the replicate group: a gradient changed on one replica alone (a hook)
+    made that replica alone skip or raise, until 2026-12-03; every rank of the mesh now takes the same decision.
     ``extra``: more ``(group, device)`` pairs (the owner groups) and an int32 flag riding along in the same
     all-reduces (`read_step_faults`), ``(groups, flag)``; returned reduced over every group, else ``None``.
     """
@@ -436,16 +437,18 @@ def _agree_across_shards(
     ok: Optional[torch.Tensor] = None
     if extra is not None:
         groups, ok = extra
-    by_group: dict[Any, tuple[Any, list[int]]] = {group: (device, []) for group, device in groups}
+    by_groups: dict[tuple, tuple[Any, list[int]]] = {(group,): (device, []) for group, device in groups}
     for k, (_, _, p, _) in enumerate(checks):
-        if is_dtensor(p) and shard_group(p) is not None:
-            by_group.setdefault(shard_group(p), (local_device(p), []))[1].append(k)
+        reduce_over = mesh_groups(p) if is_dtensor(p) else None
+        if reduce_over is not None:
+            by_groups.setdefault(reduce_over, (local_device(p), []))[1].append(k)
     checks = list(checks)
-    for group, (device, ks) in by_group.items():
+    for reduce_over, (device, ks) in by_groups.items():
         # ``extra``'s flag: a 0-d int32, or a vector of them (`read_step_faults`' gradient digest).
         flags = torch.cat([checks[k][3].to(device).reshape(1) for k in ks]
                           + ([] if ok is None else [ok.to(device).reshape(-1)]))
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
+        for group in reduce_over:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
         for k, flag in zip(ks, flags):
             checks[k] = (*checks[k][:3], flag)
         ok = None if ok is None else flags[len(ks):].reshape(ok.shape)

@@ -189,6 +189,8 @@ def _second(rank: int, world: int, ckpt: Path) -> dict:
     _train(hsdp, opt, X, Y, range(STEPS))
     out["hsdp 2x2"] = _params(hsdp)
     out["hsdp placements"] = str(next(hsdp.parameters()).placements)
+    for policy in ("skip", "raise"):
+        out[f"hsdp nan, {policy}"] = _nan_in_one_replica(rank, X, Y, policy)
 
     model = _fsdp2(mesh, shard_dim=1)
     opt = _optimizer(model)
@@ -202,6 +204,34 @@ def _second(rank: int, world: int, ckpt: Path) -> dict:
     _train(tp, opt, X_all, Y_all, range(STEPS))
     out["tensor parallel"] = _params(tp)
     out["tp placements"] = [str(getattr(p, "placements", None)) for p in tp.parameters()]
+    return out
+
+
+def _nan_in_one_replica(rank: int, X, Y, policy: str) -> dict:
+    """HSDP on 2 x 2: a NaN written into rank 1's gradient shard after FSDP2's reduction (a hook on one
+    replica). What each rank says, whether its local shards changed, the step count of that matrix, and
+    (``"skip"``) the parameters after one more step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hsdp = _fsdp2(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    opt = _optimizer(hsdp, nonfinite=policy)
+    _train(hsdp, opt, X, Y, range(1))
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(hsdp(X), Y).backward()
+    damaged = list(hsdp.parameters())[2]
+    if rank == 1:
+        damaged.grad.to_local()[0, 0] = float("nan")
+    before = [p.to_local().clone() for p in hsdp.parameters()]
+    try:
+        opt.step()
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    out = {"error": error, "changed": [not torch.equal(a, p.to_local()) for a, p in zip(before, hsdp.parameters())],
+           "step": float(opt.state[damaged]["step"])}
+    if error is None:  # every rank stepped: the full tensors are a collective all of them reach
+        _train(hsdp, opt, X, Y, range(1, 2))
+        out["params"] = _params(hsdp)
     return out
 
 
@@ -315,6 +345,25 @@ def test_the_layouts_are_what_they_say(runs):
     assert second["hsdp placements"] == "(Replicate(), Shard(dim=0))"
     assert second["Shard(1) placements"] == "(Shard(dim=1),)"
     assert second["tp placements"][0] == "(Shard(dim=0),)" and second["tp placements"][2] == "(Shard(dim=1),)"
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_hsdp_agrees_on_a_nan_in_one_replica(runs, policy):
+    """HSDP's finiteness flags were agreed within each replica's shard group only (a user's hunt,
+    2026-12-03): a NaN written into one replica's gradient after FSDP2's reduction made that replica alone
+    skip the matrix (the replicas parted, step counts 1 and 2) or raise (the other replica stepped). Now
+    every rank of the mesh decides alike."""
+    ranks = [r[f"hsdp nan, {policy}"] for r in runs["second"]]
+    if policy == "raise":
+        assert all(r["error"] for r in ranks), [r["error"] for r in ranks]
+        assert "contains 1 NaN and 0 infinite values" in ranks[1]["error"], ranks[1]["error"]
+        assert all("in another rank's shard" in r["error"] for i, r in enumerate(ranks) if i != 1)
+        assert not any(any(r["changed"]) for r in ranks)
+        return
+    assert [r["error"] for r in ranks] == [None] * 4
+    assert [r["step"] for r in ranks] == [1.0] * 4  # skipped at step 2 on every rank
+    for r in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], ranks[0]["params"]))
 
 
 # ----------------------------------------------------------------- checkpoints that do not fit
