@@ -167,7 +167,7 @@ def newton_schulz_schedule(
         safety = _NORMALIZATION_SAFETY[coefficients]
     else:
         try:
-            triples = tuple(tuple(float(v) for v in t) for t in coefficients)
+            triples = tuple(tuple(_float_or_inf(v) for v in t) for t in coefficients)
         except TypeError:  # None, a number, or one flat (a, b, c): Python's "'float' object is not iterable"
             raise ValueError(
                 "explicit Newton–Schulz coefficients must be a non-empty sequence of (a, b, c) triples, got "
@@ -183,6 +183,14 @@ def newton_schulz_schedule(
         safety = 1.0
     schedule = tuple(triples[min(k, len(triples) - 1)] for k in range(steps))
     return schedule, safety  # type: ignore[return-value]
+
+
+def _float_or_inf(v: Any) -> float:
+    """``float(v)``, with an int past float's range (10**400) as infinity, which the caller refuses by name."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
 
 
 def _pow2_of(amax: Array, floor: float = 1.0) -> Array:
@@ -522,7 +530,10 @@ def _check_rtol(rtol: Any) -> Optional[float]:
         return None
     if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real):
         raise ValueError(f"rtol must be None or a real number in [0, 1), got {rtol!r}")
-    value = float(rtol)
+    try:
+        value = float(rtol)
+    except OverflowError:  # an int past float's range (10**400): not in [0, 1) either
+        value = math.inf
     if not (0.0 <= value < 1.0):  # also rejects NaN
         raise ValueError(f"rtol must be None or a real number in [0, 1), got {rtol!r}")
     return value

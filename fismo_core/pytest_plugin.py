@@ -63,10 +63,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             raise TypeError(f"array_targets takes backends=[...] and dtypes=[...], got unknown keywords {unknown}")
         dtypes = options.get("dtypes")
         if only is not None:
-            dtypes = [d for d in (dtypes or only) if d in only]
+            dtypes = [d for d in (only if dtypes is None else dtypes) if d in only]  # dtypes=[] leaves nothing
             if not dtypes:  # array_target64 with dtypes=["float32"]: an empty parametrisation, silently
                 raise ValueError(f"the {name} fixture holds {only} targets only; the marker asks for {options['dtypes']}")
         selected = targets(backends=options.get("backends"), dtypes=dtypes)
+        if not selected:  # backends=[] or dtypes=[]: pytest would skip the test as an empty parameter set
+            raise ValueError(f"the array_targets marker of {metafunc.definition.nodeid} selects no targets: {options}")
         metafunc.parametrize(name, target_params(selected), indirect=True)
 
 

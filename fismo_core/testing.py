@@ -288,7 +288,11 @@ def _torch_targets() -> Iterator[Target]:
 
 
 def _torch_asarray(torch: Any, a: Any, dtype: str, *, device: str) -> Any:
-    return torch.asarray(a, dtype=getattr(torch, dtype), device=device)
+    import numpy as np
+
+    # Cast by NumPy first: torch takes neither a big-endian array (FITS data, a '>f8' file) nor a longdouble
+    # one, and aborted the whole check; NumPy's cast rounds as torch's would.
+    return torch.asarray(np.asarray(a, dtype=dtype), device=device)
 
 
 def _jax_targets() -> Iterator[Target]:
@@ -569,7 +573,7 @@ class Report(list):
             t = r.target
             steps = ((str(r.steps) if r.steps is not None and r.error is not None else "-"),) if with_steps else ()
             error = "-" if r.error is None else f"{r.error:.2e}"
-            rows.append((t.backend, t.device, t.dtype, *steps, error, f"{r.tolerance:.0e}", r.verdict))
+            rows.append((t.backend, t.device, t.dtype, *steps, error, _tolerance_text(r.tolerance), r.verdict))
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
         lines = []
         for row in [header, *rows]:
@@ -588,7 +592,7 @@ class Report(list):
         tolerance, and each output's mismatch (``mismatches``) beside its error."""
         blocks = []
         for r in self.failed:
-            lines = [f"{r.target.id}: {r.verdict} (tolerance {r.tolerance:.0e})"]
+            lines = [f"{r.target.id}: {r.verdict} (tolerance {_tolerance_text(r.tolerance)})"]
             for name, err in r.details.items():
                 mark = "  > tolerance" if not err <= r.tolerance else ""
                 mismatch = f"  {r.mismatches[name]}" if name in r.mismatches else ""
@@ -608,10 +612,23 @@ class HarnessError(RuntimeError):
     """
 
 
+def _tolerance_text(tolerance: float) -> str:
+    """The tolerance in the fewest digits that give it back (``1e-04``; ``1.4e-04``, which one digit showed as
+    ``1e-04``)."""
+    return next((text for digits in range(17) if float(text := f"{tolerance:.{digits}e}") == tolerance),
+                repr(tolerance))
+
+
 def _flatten(out: Any, prefix: str = "output") -> dict[str, Any]:
-    """Name every array of a (nested) output: tuples by index, NamedTuples by field, dicts by key."""
-    if isinstance(out, tuple) and hasattr(out, "_fields"):
-        items: Iterable[tuple[str, Any]] = ((f"{prefix}.{k}", v) for k, v in zip(out._fields, out))
+    """Name every array of a (nested) output: tuples by index, named tuples by field, dicts by key.
+
+    A named tuple is a ``NamedTuple`` or a struct sequence (torch's ``torch.return_types``, which have no
+    ``_fields``): both list their fields in ``__match_args__``. torch's ``slogdet`` was named
+    ``output[0]``, NumPy's ``output.sign``, and every torch row failed as "missing".
+    """
+    fields = getattr(type(out), "__match_args__", None) if isinstance(out, tuple) else None
+    if isinstance(fields, tuple) and len(fields) == len(out) and all(isinstance(k, str) for k in fields):
+        items: Iterable[tuple[str, Any]] = ((f"{prefix}.{k}", v) for k, v in zip(fields, out))
     elif isinstance(out, (tuple, list)):
         items = ((f"{prefix}[{i}]", v) for i, v in enumerate(out))
     elif isinstance(out, Mapping):
@@ -702,11 +719,10 @@ def _value_error(value: Any, reference: Any) -> float:
     return max_relative_error(value, reference) if comparable else math.inf
 
 
-def _inexact_count(value: Any, reference: Any, reference64: Any) -> Optional[str]:
+def _inexact_count(value: Any, reference: Any) -> Optional[str]:
     """Integers and booleans (indices, masks, counts) are equal or wrong: how many entries differ, or ``None``.
 
-    ``reference`` is NumPy float64's output as returned (it says the kind), ``reference64`` the same as
-    `to_numpy` gives it (exact for integers up to 2**53).
+    ``reference`` is NumPy float64's output as returned (it says the kind).
 
     Compared by the relative error with the floating tolerance, an index off by one in a vector of
     300,000 entries passed a float32 row (error 5e-6; a user's hunt, 2026-12-02).
@@ -715,11 +731,28 @@ def _inexact_count(value: Any, reference: Any, reference64: Any) -> Optional[str
 
     if np.asarray(reference).dtype.kind not in "biu":  # a Python bool or int too
         return None
-    differ = int(np.count_nonzero(to_numpy(value) != reference64))
-    size = int(np.size(reference64))
+    # Their own values, not `to_numpy`'s float64 (exact up to 2**53 only: int64 ids 2**53 + 1 and 2**53
+    # compared equal). The dtypes agree here (`_mismatch` came first).
+    differ = int(np.count_nonzero(_integer_values(value) != _integer_values(reference)))
+    size = int(np.size(reference))
     if not differ:
         return None
     return f"{'it differs' if size == 1 else f'{differ} of {size} entries differ'} (integer and boolean outputs must be equal)"
+
+
+def _integer_values(x: Any) -> Any:
+    """An integer or boolean output as NumPy holds it in its own dtype (a Python ``int`` beyond int64 as an
+    object array), from any supported backend."""
+    import numpy as np
+
+    if type(x) in _PYTHON_NUMBERS or isinstance(x, (np.ndarray, np.generic)):
+        return np.asarray(x)
+    module = library_name(x)
+    if module == "cupy":
+        return x.get()
+    if module == "torch":
+        return x.detach().cpu().numpy()
+    return np.from_dlpack(x)  # JAX on the CPU and array-api-strict keep integer and boolean dtypes through DLPack
 
 
 def _declared_dtypes(out_dtypes: Union[str, Mapping[str, str], None], reference: Mapping[str, Any]) -> dict[str, str]:
@@ -767,7 +800,7 @@ def check_backends(
     unchanged; the reference call gets them as NumPy float64. Every call gets
     its own copies, so a ``fn`` that writes into its input changes neither
     the caller's arrays nor the reference. The outputs (an
-    array, or tuples, lists, dicts and NamedTuples of arrays, nested) are
+    array, or tuples, lists, dicts and named tuples of arrays, nested) are
     checked one by one: each must be an array of the inputs' namespace
     (``array_api_compat.array_namespace`` of the converted inputs: a NumPy
     array returned for a torch input fails), on their device
@@ -940,7 +973,7 @@ def _compare(
             mismatch = _mismatch(out[name], ref, expected, declared.get(name))
             errors[name] = _value_error(out[name], reference64[name])
             if mismatch is None and math.isfinite(errors[name]):
-                mismatch = _inexact_count(out[name], ref, reference64[name])
+                mismatch = _inexact_count(out[name], ref)
             if mismatch is not None:
                 mismatches[name] = mismatch
     for name in out:

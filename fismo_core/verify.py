@@ -450,12 +450,14 @@ class Reference:
                 names = [s["name"] for s in stream_info]
                 if len(set(names)) != len(names):
                     raise ReferenceFileError(f"{path} is damaged: its manifest repeats a stream name")
-                # Each stream's own steps: the Gaussian streams run `steps`, the recorded ones at most their 16.
+                # Each stream's own steps: the Gaussian streams run `steps`, the recorded ones at most their 16,
+                # a caller's own streams (verify(streams=...)) their length, which may exceed `steps`.
                 stream_steps = {s["name"]: s.get("steps") for s in stream_info}
-                short = [f"{n!r} {k!r}" for n, k in stream_steps.items() if type(k) is not int or not 1 <= k <= steps]
+                short = [f"{n!r} {k!r}" for n, k in stream_steps.items() if type(k) is not int or k < 1]
                 if short:
                     raise ReferenceFileError(
-                        f"{path} is damaged: its manifest gives streams steps outside 1..{steps}: {', '.join(short[:3])}"
+                        f"{path} is damaged: its manifest gives streams steps that are not positive integers: "
+                        f"{', '.join(short[:3])}"
                     )
                 expected = {f"{n}/{k}" for n in names for k in ("W0", "G", *QUANTITIES)}
                 missing = sorted(expected - set(f.files))
@@ -483,7 +485,7 @@ class Reference:
                 )
         try:
             optimizer_from_config(config)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
             raise ReferenceFileError(
                 f"{path} is incompatible: its FISMO configuration cannot be built by fismo {__version__} ({exc})"
             ) from exc

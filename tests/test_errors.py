@@ -327,6 +327,8 @@ HYPERPARAMETER_ERRORS = [
     ({"polar": {"coefficients": [(3.0, -4.0)]}}, ValueError, r"sequence of \(a, b, c\) triples"),
     ({"polar": {"coefficients": []}}, ValueError, r"sequence of \(a, b, c\) triples"),
     ({"polar": {"coefficients": [(math.nan, 0.0, 0.0)]}}, ValueError, r"coefficients must be finite"),
+    ({"polar": {"coefficients": [(10**400, 0.0, 0.0)]}}, ValueError, r"coefficients must be finite"),  # was an OverflowError
+    ({"polar": {"method": "svd", "rtol": 10**400}}, ValueError, r"polar rtol must be None or a real number in \[0, 1\)"),
     ({"polar": {"eps": 0.0}}, ValueError, r"polar eps must lie in \(0\.0, inf\), got 0\.0"),
     ({"polar": {"eps": math.inf}}, ValueError, r"polar eps must be a finite real number, got inf"),
     # Python said "PolarConfig.__init__() got an unexpected keyword argument", naming neither the option nor

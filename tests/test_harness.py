@@ -442,6 +442,51 @@ def test_index_mask_and_count_outputs_must_be_equal_not_close() -> None:
     }
 
 
+def test_big_endian_and_longdouble_inputs_are_converted_for_every_target() -> None:
+    """A big-endian float64 array (FITS data, a '>f8' file) or a longdouble one stopped the whole check with
+    ``HarnessError`` on torch, which takes neither (a user's hunt, 2026-12-03); every target converts them."""
+    for data in (X.astype(">f8"), X.astype(np.longdouble)):
+        report = check_backends(lambda a: a * 2.0, data, targets=AVAILABLE)
+        assert report.ok and len(report) == len(AVAILABLE), report.explain()
+
+
+def test_a_tolerance_is_printed_in_the_digits_that_give_it_back() -> None:
+    """``tolerances={"float32": 1.4e-4}`` printed as ``1e-04`` (one digit), beside an error of 1.2e-4 that passed."""
+    report = check_backends(lambda a: a * 2.0, X, targets=NUMPY, tolerances={"float64": 1e-10, "float32": 1.4e-4})
+    assert [line.split()[4] for line in report.table().splitlines()[2:4]] == ["1e-10", "1.4e-04"]
+
+
+def test_integers_beyond_two_to_the_53_are_compared_exactly() -> None:
+    """Integer outputs were compared through float64, which holds integers exactly up to 2**53 only: int64
+    values 2**53 + 1 against 2**53, and a Python int 2**60 + 3 against 2**60, passed on every backend (a
+    user's hunt, 2026-12-03)."""
+    def ids(x: Any) -> Any:
+        xp = array_namespace(x)
+        off = 0 if is_numpy_namespace(xp) and x.dtype == xp.float64 else 1
+        return xp.asarray([2**53 + off, 2**62], dtype=xp.int64, device=array_device(x)), 2**60 + 3 * off
+
+    report = check_backends(ids, X, targets=[t for t in AVAILABLE if t.dtype == "float64" or t.backend == "numpy"])
+    assert report[0].verdict == "pass"
+    for r in report[1:]:
+        assert r.mismatches == {"output[0]": "1 of 2 entries differ (integer and boolean outputs must be equal)",
+                                "output[1]": "it differs (integer and boolean outputs must be equal)"}, r.target.id
+
+
+def test_torch_named_results_are_named_as_numpys() -> None:
+    """torch returns ``slogdet``, ``eigh`` and ``svd`` results as struct sequences, tuples without ``_fields``:
+    they were named ``output[0]``, NumPy's ``output.sign``, and every torch row failed as "missing" (a user's
+    hunt, 2026-12-03). Both are named tuples of the array API standard's fields now."""
+    A = X[0, :4, :4] @ X[0, :4, :4].T + np.eye(4)
+
+    def slogdet_and_eigh(a: Any) -> Any:
+        xp = array_namespace(a)
+        return xp.linalg.slogdet(a), xp.linalg.eigh(a).eigenvalues
+
+    report = check_backends(slogdet_and_eigh, A, targets=[t for t in AVAILABLE if t.dtype == "float64"])
+    assert report.ok, report.explain()
+    assert all(list(r.details) == ["output[0].sign", "output[0].logabsdet", "output[1]"] for r in report)
+
+
 def test_a_complex_output_has_the_complex_dtype_of_the_targets_floating_one() -> None:
     """rfft of float32 is complex64 in every array API library; the harness expected NumPy float64's
     complex128 on every target, so a correct function failed every float32 row, whatever out_dtypes said."""
@@ -721,6 +766,11 @@ def test_plugin_refuses_a_positional_marker_argument(pytester: pytest.Pytester) 
 @pytest.mark.parametrize(("marker", "fixture", "error"), [
     ('array_targets(backend=["numpy"])', "array_target", "*unknown keywords ?'backend'?*"),
     ('array_targets(dtypes=["float32"])', "array_target64", "*holds ('float64',) targets only*"),
+    # dtypes=[] ran every float64 target on array_target64 and skipped array_target as an empty parameter
+    # set (a user's hunt, 2026-12-03): both are errors now.
+    ("array_targets(dtypes=[])", "array_target64", "*holds ('float64',) targets only*"),
+    ("array_targets(dtypes=[])", "array_target", "*selects no targets*"),
+    ("array_targets(backends=[])", "array_target", "*selects no targets*"),
 ])
 def test_plugin_refuses_a_marker_it_would_ignore(pytester: pytest.Pytester, marker: str, fixture: str, error: str) -> None:
     """A misspelt keyword (``backend=``) ran every target; ``array_target64`` asked for float32 gave an

@@ -464,8 +464,13 @@ def test_refuses_a_manifest_without_named_streams(saved: Path, tmp_path: Path, c
     _refused(_rewrite(saved, tmp_path / "s.npz", edit_manifest=edit), capsys, "is damaged: its manifest lists no named streams")
 
 
-def test_refuses_a_configuration_of_the_wrong_type(saved: Path, tmp_path: Path, capsys) -> None:
-    path = _rewrite(saved, tmp_path / "p.npz", edit_manifest=lambda m: m["config"].update(polar=5))
+@pytest.mark.parametrize("edit", [lambda m: m["config"].update(polar=5),
+                                  # ints past float's range raised OverflowError, a traceback (a user's hunt, 2026-12-03)
+                                  lambda m: m["config"]["polar"].update(method="svd", rtol=10**400),
+                                  lambda m: m["config"]["polar"].update(coefficients=[[10**400, 1, 1]])],
+                         ids=["polar-a-number", "rtol-past-float", "coefficient-past-float"])
+def test_refuses_a_configuration_of_the_wrong_type(saved: Path, tmp_path: Path, capsys, edit) -> None:
+    path = _rewrite(saved, tmp_path / "p.npz", edit_manifest=edit)
     _refused(path, capsys, r"is incompatible: its FISMO configuration cannot be built")
 
 
@@ -476,13 +481,27 @@ def test_refuses_a_configuration_of_the_wrong_type(saved: Path, tmp_path: Path, 
      (lambda m: m.update(seed=-5), "its manifest has seed -5"),
      (lambda m: m.update(library_version=None), "its manifest has library_version None"),
      (lambda m: m.update(format_version=True), "has reference format version True"),
-     (lambda m: m["streams"][0].update(steps=3), "gives streams steps outside 1..2: 'gauss.2x16x16' 3")],
-    ids=["steps-string", "steps-float", "seed-negative", "no-library-version", "version-true", "stream-steps"],
+     (lambda m: m["streams"][0].update(steps=0), "gives streams steps that are not positive integers: 'gauss.2x16x16' 0"),
+     (lambda m: m["streams"][0].update(steps=3), "stream 'gauss.2x16x16' does not hold 3 steps of W0's shape")],
+    ids=["steps-string", "steps-float", "seed-negative", "no-library-version", "version-true", "stream-steps",
+         "stream-steps-beyond-its-arrays"],
 )
 def test_refuses_manifest_values_of_the_wrong_type(saved: Path, tmp_path: Path, capsys, edit, message) -> None:
     """Values the format rules out were read by ``int()`` and ``==`` (``"3"``, ``3.9``, ``True`` passed; a
     user's hunt, 2026-12-02): refused as damaged, one line, exit 2."""
     _refused(_rewrite(saved, tmp_path / "m.npz", edit_manifest=edit), capsys, re.escape(message))
+
+
+def test_a_reference_of_streams_longer_than_steps_loads(tmp_path: Path) -> None:
+    """``verify(streams=...)`` runs a caller's stream to its own length; the file it saved, a 60-step stream
+    with ``steps=50``, was refused by ``Reference.load`` as damaged (a user's hunt, 2026-12-03)."""
+    rng = np.random.default_rng(0)
+    mine = Stream("mine.8x4", rng.standard_normal((8, 4)), rng.standard_normal((60, 8, 4)), "a 60-step stream")
+    report = verify(streams=[mine], targets=targets(backends=["numpy"]))
+    assert report.reference.steps == 50 and not report.failed
+    report.reference.save(tmp_path / "mine.npz")
+    loaded = Reference.load(tmp_path / "mine.npz")
+    assert loaded.checksum == report.reference.checksum and loaded.streams[0].steps == 60
 
 
 def test_refuses_arrays_that_are_not_float64(saved: Path, tmp_path: Path, capsys) -> None:
