@@ -142,7 +142,7 @@ def to_numpy(x: Any) -> Any:
     return np.asarray(np.from_dlpack(x), dtype=np.float64)
 
 
-_PYTHON_NUMBERS = (bool, int, float)
+_PYTHON_NUMBERS = (bool, int, float, complex)
 """Python scalars an output may be (compared by value only). Exact types: ``numpy.float64`` subclasses ``float``."""
 
 

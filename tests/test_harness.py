@@ -456,6 +456,19 @@ def test_a_tolerance_is_printed_in_the_digits_that_give_it_back() -> None:
     assert [line.split()[4] for line in report.table().splitlines()[2:4]] == ["1e-10", "1.4e-04"]
 
 
+def test_a_python_complex_is_a_python_number() -> None:
+    """``to_numpy(1 + 2j)`` raised ``TypeError`` and ``check_backends`` refused a Python ``complex`` output,
+    though both take "a Python number" (a user's hunt, 2026-12-03): compared by value, as a float is."""
+    assert to_numpy(1 + 2j).dtype == np.complex128 and to_numpy(1 + 2j) == 1 + 2j
+
+    def f(x: Any) -> Any:
+        xp = array_namespace(x)
+        return complex(float(xp.sum(x)), 1.0 if x.dtype == xp.float64 else 1.5)
+
+    report = check_backends(f, X, targets=NUMPY)
+    assert [r.verdict for r in report] == ["pass", "FAIL at output"]
+
+
 def test_integers_beyond_two_to_the_53_are_compared_exactly() -> None:
     """Integer outputs were compared through float64, which holds integers exactly up to 2**53 only: int64
     values 2**53 + 1 against 2**53, and a Python int 2**60 + 3 against 2**60, passed on every backend (a
