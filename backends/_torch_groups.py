@@ -281,7 +281,9 @@ def check_states_fit(param_groups: list, state: Any) -> None:
     placeholder), where the core raised on the owner alone, naming no parameter. An AdamW parameter's
     moments have its shape, and ``max_exp_avg_sq`` exists where ``amsgrad`` is on: ``torch.optim.AdamW``'s
     step raises (a size mismatch, ``KeyError``) after the FISMO groups before it have stepped. A state of
-    another shape comes from a resized parameter (a grown vocabulary, a widened layer)."""
+    another shape comes from a resized parameter (a grown vocabulary, a widened layer). Every parameter with a
+    gradient, and every AdamW moment, must have memory of its own (`self_overlaps`): an expanded tensor appended
+    to a group's list or set as ``p.data`` since the group's checks made torch raise at the in-place update."""
     for index, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
             if p.grad is None:
