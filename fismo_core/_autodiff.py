@@ -84,18 +84,18 @@ def polar_svd_derivative(U: Array, S: Array, Vh: Array, keep: Optional[Array], E
     E = xp.astype(E, U.dtype, copy=False)
     if keep is None:
         return xp.zeros_like(E)
-    V, Ut = xp.matrix_transpose(Vh), xp.matrix_transpose(U)
-    one = xp.ones_like(S)
+    EV, UtE = E @ xp.matrix_transpose(Vh), xp.matrix_transpose(U) @ E
+    K = UtE @ xp.matrix_transpose(Vh)
     kept_pairs = keep[..., :, None] * keep[..., None, :]
-    K = Ut @ E @ V
     # A cut pair's entry is 0 times anything finite: its denominator and 1 / s are taken as 1 there.
     sums = xp.where(kept_pairs > 0, S[..., :, None] + S[..., None, :], xp.ones_like(kept_pairs))
     Omega = kept_pairs * (K - xp.matrix_transpose(K)) / sums
-    inverse = keep / xp.where(keep > 0, S, one)
-    U_k, V_k = U * keep[..., None, :], V * keep[..., None, :]
-    left = E - U_k @ (xp.matrix_transpose(U_k) @ E)
-    right = E - (E @ V_k) @ xp.matrix_transpose(V_k)
-    return U @ Omega @ Vh + left @ (V * inverse[..., None, :]) @ Vh + (U * inverse[..., None, :]) @ (Ut @ right)
+    inverse = keep / xp.where(keep > 0, S, xp.ones_like(S))  # S_k^{-1}, 0 for a cut value
+    # With U_k^T E V = diag(keep) K and inverse 0 where keep is: the second term is
+    # (EV - U diag(keep) K) diag(inverse) V^T, the third U diag(inverse) (U^T E - K diag(keep) V^T).
+    # Gathered: six products (twelve as written above).
+    C = Omega - keep[..., :, None] * K * inverse[..., None, :] - inverse[..., :, None] * K * keep[..., None, :]
+    return U @ (C @ Vh + inverse[..., :, None] * UtE) + (EV * inverse[..., None, :]) @ Vh
 
 
 def needs_derivative(A: Array) -> bool:

@@ -530,10 +530,7 @@ def _check_rtol(rtol: Any) -> Optional[float]:
         return None
     if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real):
         raise ValueError(f"rtol must be None or a real number in [0, 1), got {rtol!r}")
-    try:
-        value = float(rtol)
-    except OverflowError:  # an int past float's range (10**400): not in [0, 1) either
-        value = math.inf
+    value = _float_or_inf(rtol)
     if not (0.0 <= value < 1.0):  # also rejects NaN
         raise ValueError(f"rtol must be None or a real number in [0, 1), got {rtol!r}")
     return value

@@ -210,7 +210,7 @@ def _polar_frechet_reference(X: np.ndarray, E: np.ndarray) -> np.ndarray:
 
 
 #: The polar factor's derivative against `_polar_frechet_reference`, float64: the reference squares the
-#: singular values (condition of X^T X up to 16 here), the rule does not; measured 6.7e-16 to 6.4e-15
+#: singular values (condition of X^T X up to 16 here), the rule does not; measured 6.1e-16 to 6.2e-15
 #: (torch and JAX, the four CPU kernel sets; docs/scripts/exact_derivatives.py). 1e-12 as for the root.
 #: Through the SVD's own derivative the cases with equal singular values were NaN or off by 0.07 to 1.2.
 @pytest.mark.numbers
@@ -288,7 +288,7 @@ def test_values_are_those_without_a_derivative_bit_for_bit(target_id: str) -> No
 
 #: Second derivatives along symmetric directions, against the Newton–Schulz twins' (products only,
 #: converged to rounding), float64: the root's measured 5.3e-15 (JAX), 2.0e-14 (torch, create_graph) and
-#: 5.7e-15 (torch.func.hessian) apart under each CPU kernel set, the polar factor's at most 1.6e-16.
+#: 5.7e-15 (torch.func.hessian) apart under each CPU kernel set, the polar factor's at most 1.5e-15.
 #: 1e-10 leaves four orders; dropping the eigenvectors' dependence on ``A`` changes the value by order 1.
 SECOND_DERIVATIVE_TOLERANCE = 1e-10
 
