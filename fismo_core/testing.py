@@ -119,27 +119,41 @@ def to_numpy(x: Any) -> Any:
     """
     import numpy as np
 
+    host = _host_array(x)
+    return np.asarray(host, dtype=np.complex128 if np.iscomplexobj(host) else np.float64)
+
+
+def _host_array(x: Any) -> Any:
+    """Any supported backend's array, a NumPy scalar or a Python number as a NumPy array of its own dtype.
+
+    The one copy to the host of the harness. Floating dtypes NumPy lacks are widened exactly first
+    (bfloat16 and torch's float8 to float32, complex32 to complex64); integers and booleans keep their
+    dtype (a Python ``int`` beyond int64 becomes an object array), so they can be compared exactly.
+    """
+    import numpy as np
+
     if isinstance(x, (np.ndarray, np.generic)) or type(x) in _PYTHON_NUMBERS:
-        return np.asarray(x, dtype=np.complex128 if np.iscomplexobj(x) else np.float64)
+        return np.asarray(x)
     module = library_name(x)
     if module == "cupy":
-        host = x.get()
-        return np.asarray(host, dtype=np.complex128 if np.iscomplexobj(host) else np.float64)
+        return x.get()
     if module == "torch":
         import torch
 
-        wide = torch.complex128 if torch.is_complex(x) else torch.float64
-        return x.detach().to(device="cpu", dtype=wide).numpy()
-    # JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack, which
-    # knows no bfloat16: widen narrow floats to float32 and integers to float64 first (both exact).
+        x = x.detach().cpu()
+        if x.dtype == torch.complex32:
+            x = x.to(torch.complex64)
+        elif x.is_floating_point() and x.dtype not in (torch.float16, torch.float32, torch.float64):
+            x = x.to(torch.float32)
+        return x.numpy()
+    # JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack, which keeps
+    # integer, boolean and complex dtypes but knows no bfloat16: narrow floats go as float32 (exact).
     from array_api_compat import array_namespace
 
     xp = array_namespace(x)
-    if xp.isdtype(x.dtype, "complex floating"):
-        return np.asarray(np.from_dlpack(x), dtype=np.complex128)
-    if x.dtype not in (xp.float32, xp.float64):
-        x = xp.astype(x, xp.float32 if xp.isdtype(x.dtype, "real floating") else xp.float64)
-    return np.asarray(np.from_dlpack(x), dtype=np.float64)
+    if xp.isdtype(x.dtype, "real floating") and x.dtype not in (xp.float32, xp.float64):
+        x = xp.astype(x, xp.float32)
+    return np.from_dlpack(x)
 
 
 _PYTHON_NUMBERS = (bool, int, float, complex)
@@ -733,26 +747,30 @@ def _inexact_count(value: Any, reference: Any) -> Optional[str]:
         return None
     # Their own values, not `to_numpy`'s float64 (exact up to 2**53 only: int64 ids 2**53 + 1 and 2**53
     # compared equal). The dtypes agree here (`_mismatch` came first).
-    differ = int(np.count_nonzero(_integer_values(value) != _integer_values(reference)))
+    differ = int(np.count_nonzero(_host_array(value) != _host_array(reference)))
     size = int(np.size(reference))
     if not differ:
         return None
     return f"{'it differs' if size == 1 else f'{differ} of {size} entries differ'} (integer and boolean outputs must be equal)"
 
 
-def _integer_values(x: Any) -> Any:
-    """An integer or boolean output as NumPy holds it in its own dtype (a Python ``int`` beyond int64 as an
-    object array), from any supported backend."""
+def _integer_error(value: Any, reference: Any) -> float:
+    """`max_relative_error` of integer or boolean outputs, from their exact difference.
+
+    Through float64, int64 ``2**53 + 1`` against ``2**53`` has error 0 (both round to ``2**53``): a row
+    failed by `_inexact_count` showed "0.00e+00" as its error. The difference is taken in Python integers
+    and rounded once; the norms are then `relative_errors`' (against a zero reference: absolute).
+    """
     import numpy as np
 
-    if type(x) in _PYTHON_NUMBERS or isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x)
-    module = library_name(x)
-    if module == "cupy":
-        return x.get()
-    if module == "torch":
-        return x.detach().cpu().numpy()
-    return np.from_dlpack(x)  # JAX on the CPU and array-api-strict keep integer and boolean dtypes through DLPack
+    got, ref = _host_array(value).astype(object), _host_array(reference).astype(object)
+    difference = np.asarray(got - ref, dtype=np.float64)
+    size = np.asarray(ref, dtype=np.float64)
+    zero = np.zeros_like(size)
+    norm_of_difference, norm_of_reference = relative_errors(difference, zero), relative_errors(size, zero)
+    errors = np.where(norm_of_reference > 0, norm_of_difference / np.where(norm_of_reference > 0, norm_of_reference, 1.0),
+                      norm_of_difference)
+    return float(np.max(errors, initial=0.0))
 
 
 def _declared_dtypes(out_dtypes: Union[str, Mapping[str, str], None], reference: Mapping[str, Any]) -> dict[str, str]:
@@ -974,6 +992,8 @@ def _compare(
             errors[name] = _value_error(out[name], reference64[name])
             if mismatch is None and math.isfinite(errors[name]):
                 mismatch = _inexact_count(out[name], ref)
+                if mismatch is not None:
+                    errors[name] = _integer_error(out[name], ref)
             if mismatch is not None:
                 mismatches[name] = mismatch
     for name in out:

@@ -483,6 +483,11 @@ def test_integers_beyond_two_to_the_53_are_compared_exactly() -> None:
     for r in report[1:]:
         assert r.mismatches == {"output[0]": "1 of 2 entries differ (integer and boolean outputs must be equal)",
                                 "output[1]": "it differs (integer and boolean outputs must be equal)"}, r.target.id
+        # The error column is the exact one, not float64's 0 (both ids round to 2**53): ||(1, 0)|| / ||(2**53, 2**62)||
+        # and 3 / 2**60, each rounded once (rel=1e-15: a few roundings of the norms).
+        assert r.details["output[0]"] == pytest.approx(1 / math.hypot(2.0**53, 2.0**62), rel=1e-15), r.target.id
+        assert r.details["output[1]"] == pytest.approx(3 / 2.0**60, rel=1e-15), r.target.id
+        assert r.error > 0
 
 
 def test_torch_named_results_are_named_as_numpys() -> None:
