@@ -30,7 +30,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+# A fence at any indent (in a list item or an admonition): its code is dedented by the fence's indent.
+FENCE = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.S | re.M)
 
 # A small language-model-shaped torch model: blocks of attention and MLP matrices in `layers`,
 # an output head, and a `decoder.out_proj` for the page's "another head" example.
@@ -131,12 +132,22 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/backends.md", "A = X @ X.T + 1e-3 * cp.eye(X.shape[0])"): (
         "CuPy arrays; tests/test_cupy.py and tests/test_linalg.py run these functions on every backend"
     ),
+    # The measurement scripts the pages quote tables from, each given as a file to save and run.
+    ("docs/linalg.md", '"""The exact polar factor on rank-deficient input'): (
+        "15 minutes of measurement; tests/test_exact_unique.py checks the exact polar factor's rank cut"
+    ),
+    ("docs/linalg.md", '"""Newton-Schulz on exactly rank-deficient input'): (
+        "26 s of measurement; tests/test_linalg.py::test_newton_schulz_band checks the iteration's band"
+    ),
+    ("docs/linalg.md", '"""bfloat16 Newton-Schulz iteration of polar()'): (
+        "3 minutes of timing; tests/test_linalg.py::test_polar_bfloat16_iteration checks its accuracy"
+    ),
 }
 
 
 def _blocks_of(text: str) -> list[tuple[int, str]]:
     """The ```` ```python ```` blocks of a Markdown text: (line of the block's first line of code, code)."""
-    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)]
+    return [(text.count("\n", 0, m.start(2)) + 1, textwrap.dedent(m.group(2))) for m in FENCE.finditer(text)]
 
 
 def _blocks(page: str) -> list[tuple[int, str]]:

@@ -372,7 +372,7 @@ def test_torch_skip_leaves_the_parameter_alone_and_counts_it() -> None:
 
 # ==================================================== 2. degenerate but legal input
 def test_zero_gradient_gives_a_zero_step(target: Target) -> None:
-    """G = 0: direction exactly 0, W unchanged, M = 0; P and Q stay the identity (the EMA of
+    """G = 0: direction exactly 0, W unchanged, M = 0; P and Q stay the identity to rounding (the EMA of
     P_{t-1} with mu I, trace-normalised)."""
     opt = FISMO()
     W0 = np.random.default_rng(2).standard_normal((4, 6))
@@ -380,7 +380,8 @@ def test_zero_gradient_gives_a_zero_step(target: Target) -> None:
     assert all(np.array_equal(d, np.zeros((4, 6))) for d in directions)
     assert np.array_equal(W, _np(target.asarray(W0))) and np.array_equal(_np(state.M), np.zeros((4, 6)))
     # Tolerance: (gamma + (1 - gamma) mu) I rescaled to trace d rounds to I within a few
-    # unit roundoffs per step (measured: exactly I on every backend); 8 eps after 3 steps.
+    # unit roundoffs per step (measured after 3 steps, 0 to 0.5 eps for P, 0 to 1.5 eps for Q on
+    # the CPU targets: the trace normalisation rounds); 8 eps after 3 steps.
     eps = float(np.finfo(target.dtype).eps)
     assert np.abs(_np(state.P) - np.eye(4)).max() <= 8 * eps
     assert np.abs(_np(state.Q) - np.eye(6)).max() <= 8 * eps

@@ -580,7 +580,7 @@ def main() -> None:
     parser.add_argument("--names", nargs="+", default=MODEL_VARIANTS + MODEL_ANCHORS,
                         help="models section: which FISMO variants and anchors (default: all)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="models section: torch device")
-    parser.add_argument("--tables", action="store_true", help="models section: print the stored tables only")
+    parser.add_argument("--tables", action="store_true", help="models section: time nothing; print the stored tables and redraw their plot")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--without-torch-muon", action="store_true",
                         help="models section: time torch.optim.Muon not at all (CPUs without bfloat16 instructions)")
