@@ -374,13 +374,23 @@ def restore_saved_state(
 
 
 # ---------------------------------------------------------------- checkpoints of distributed matrices
-def exported_state(p: torch.Tensor, group: dict, placement: Placement, state: dict) -> dict:
-    """One distributed matrix's state for ``state_dict``: its step count, and its owner's tensors in the checkpoint layout."""
+def exported_state(p: torch.Tensor, placement: Placement, state: dict) -> dict:
+    """One distributed matrix's state for ``state_dict``: its step count, and its owner's tensors in the checkpoint layout.
+
+    Every rank exports the layout the owner holds, read elsewhere from the placeholders (`keep_elsewhere`,
+    made with the owner's shapes), so a ``block_size`` set on the group since is not applied, as one
+    process's ``state_dict`` saves its state as it is (the step and `load_state_dict` refuse it). The dtype
+    is the state dtype of the parameter's dtype now, to which the owner converts, as its next step would:
+    after ``model.double()`` the other ranks read the owner's float32 bytes as float64 (DDP, no error; a
+    user's hunt, 2026-12-03), and a changed ``block_size`` split the owner's tensors into buffers of
+    other sizes (gloo aborted every rank; FSDP2 raised on the owner and left the others waiting).
+    """
     dtype, device = state_dtype(p.dtype), local_device(p)
-    layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), group.get("block_size"))
     exported = {"step": state["step"]}
-    for key, shape in layout.items():
-        exported[key] = placement.export(state.get(key) if placement.owns else None, shape, dtype, device)
+    for key in sorted(set(state) - {"step", *COUNTER_KEYS}):  # the same keys, in one order, on every rank
+        value = state[key]
+        exported[key] = placement.export(value.to(dtype) if placement.owns else None, tuple(value.shape), dtype,
+                                         device)
     for key in COUNTER_KEYS:
         exported[key] = placement.export(state.get(key) if placement.owns else None, (), torch.int32, device)
     return exported

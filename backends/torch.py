@@ -453,7 +453,7 @@ class FISMO(Optimizer):
                 placement = placements.get(p)
                 state = self.state.get(p)
                 if placement is not None and placement.distributed and state:
-                    saved["state"][index] = exported_state(p, group, placement, state)
+                    saved["state"][index] = exported_state(p, placement, state)
                 index += 1
         # In parameter order: the base class packs self.state in insertion order, which differs between
         # ranks (owners create a matrix's state when computing it, the others when applying), and

@@ -457,6 +457,51 @@ def _run_resized(rank: int, X, Y) -> dict:
     return {"error": error, "owns": owns}
 
 
+def _run_state_dict_before_the_next_step(rank: int, X, Y) -> dict:
+    """A ``state_dict`` taken after a change the next step would act on: the parameters made float64
+    (``model.double()``: the owner converts its state at its next step) or a group's ``block_size`` set (the
+    next step refuses it). DDP's layout (replicated matrices, gradients set by hand) and FSDP2 (`_fsdp2_model`).
+    Per case: the error, each exported matrix state made whole (float64), and the owner's live one."""
+    from fismo_core.backends.torch import FISMO
+
+    # By the state_dict's index: the position in the param groups.
+    def exported(opt) -> tuple:
+        try:
+            saved = opt.state_dict()
+        except Exception as exc:  # recorded, so that the test says what failed on which rank
+            return f"{type(exc).__name__}: {exc}", {}
+        return None, {i: {k: (_full(v).double(), v.dtype) for k, v in state.items() if k.startswith(("P", "Q", "M"))}
+                      for i, state in saved["state"].items()}
+
+    def live(opt) -> dict:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        return {i: {k: v.double() for k, v in opt.state[p].items() if k.startswith(("P", "Q", "M"))}
+                for i, p in enumerate(params) if _owns(opt, p)}
+
+    out = {}
+    for change in ("float64", "block_size"):
+        torch.manual_seed(0)
+        weights = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(2)]
+        opt = FISMO([{"params": weights[:1]}, {"params": weights[1:]}], lr=LR, process_group=dist.group.WORLD)
+        for p in weights:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        if change == "float64":
+            for p in weights:
+                p.data = p.data.double()
+        else:
+            opt.param_groups[0]["block_size"] = 2
+        error, states = exported(opt)
+        out[f"ddp, {change}"] = {"error": error, "exported": states, "live": live(opt)}
+    model = _fsdp2_model()
+    opt = _optimizer(model)
+    _train(model, opt, X, Y, range(1))
+    opt.param_groups[0]["block_size"] = 2
+    error, states = exported(opt)
+    out["fsdp2, block_size"] = {"error": error, "exported": states, "live": live(opt)}
+    return out
+
+
 def _run_owners_moved(rank: int, X, Y) -> dict:
     """Replicated matrices with states (gradients set by hand), then a change that moves owners: a matrix
     inserted before others (appended to the first group's params), or a block_size set on a stateless
@@ -504,6 +549,7 @@ def _worker(rank: int, store: str, out: str) -> None:
                    "block size changed": _run_block_size_changed(rank, X, Y),
                    "resized": _run_resized(rank, X, Y),
                    "owners moved": _run_owners_moved(rank, X, Y),
+                   "state_dict before the next step": _run_state_dict_before_the_next_step(rank, X, Y),
                    **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "ddp, mismatched gradients": _run_mismatched_grads(rank, X, Y),
                    "ddp, mismatched gradients, roots unchecked":
@@ -848,6 +894,30 @@ def test_a_changed_block_size_is_refused_on_every_rank(runs):
     assert sorted(r["owns"] for r in results) == [False, True]
     for r in results:
         assert r["error"] and "block_size=8 splits parameter 0 of param group 0 (shape (16, 12))" in r["error"], r
+
+
+@pytest.mark.parametrize("case", ["ddp, float64", "ddp, block_size", "fsdp2, block_size"])
+def test_a_state_dict_before_the_next_step_exports_the_owners_state(runs, case):
+    """Before 2026-12-03 the ranks sized the owner's tensors by the parameter's dtype and the group's
+    ``block_size`` now: after ``model.double()`` a DDP checkpoint held the owner's float32 bytes read as
+    float64 on the other ranks (no error; a resumed run was 1.3e-1 off), and after a ``block_size`` change
+    gloo aborted every rank (DDP) or the owner raised and the others waited (FSDP2). Every rank now exports
+    the owner's stored state, in the state dtype of the parameter's dtype now, as one process does."""
+    results = [run["state_dict before the next step"][case] for run in runs]
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    owners = {i: rank for rank, r in enumerate(results) for i in r["live"]}
+    assert set(owners.values()) == set(range(WORLD)), owners  # each rank owns a matrix: both directions checked
+    # The state dtype of the parameters' dtype now: DDP's weights were float32 (made float64 in one case),
+    # the FSDP2 model is `_model`'s float64.
+    want = torch.float32 if case == "ddp, block_size" else torch.float64
+    for r in results:
+        assert set(r["exported"]) >= set(owners)
+        for i, rank in owners.items():
+            live = results[rank]["live"][i]
+            assert set(r["exported"][i]) == set(live), (i, sorted(r["exported"][i]), sorted(live))
+            for key, (value, dtype) in r["exported"][i].items():
+                assert dtype == want, (case, i, key, dtype)
+                assert torch.equal(value, live[key]), (case, i, key)  # widening float32 to float64 is exact
 
 
 def test_a_resized_matrix_is_refused_on_every_rank(runs):
