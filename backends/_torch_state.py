@@ -396,6 +396,32 @@ def exported_state(p: torch.Tensor, placement: Placement, state: dict) -> dict:
     return exported
 
 
+def check_saved_meshes(param_groups: list, saved_state: dict, saved_groups: list) -> None:
+    """Every ``DTensor`` of a per-rank checkpoint lies on its parameter's device mesh (the same ranks), before
+    any collective.
+
+    A per-rank ``state_dict`` of FSDP2 or HSDP holds each state tensor as a ``DTensor`` on the mesh it was
+    saved on; loaded on another number of ranks, gathering it raised torch's ``narrow unexpectedly changed
+    concrete size`` on every rank (a user's hunt, 2026-12-03). Every rank reads the same meshes from its
+    file, so all refuse together; DCP is the way to another world size.
+    """
+    for group_index, (saved_group, group) in enumerate(zip(saved_groups, param_groups)):
+        for i, (key, p) in enumerate(zip(saved_group["params"], group["params"])):
+            here = p.device_mesh.mesh.tolist() if is_dtensor(p) else None
+            for name, value in (saved_state.get(key) or {}).items():
+                if not is_dtensor(value):
+                    continue
+                saved = value.device_mesh.mesh.tolist()
+                if saved != here:
+                    where = f"the ranks {here} of its device mesh" if here is not None else "no device mesh"
+                    raise ValueError(
+                        f"{param_name(group, i, group_index)}: its saved state {name!r} lies on a device mesh of "
+                        f"the ranks {saved}, the parameter on {where}: a per-rank state_dict resumes on the mesh "
+                        "it was saved on. To resume on another number of ranks, save and load with "
+                        "torch.distributed.checkpoint (get_state_dict, dcp.save, dcp.load, set_state_dict)"
+                    )
+
+
 def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, placements: dict) -> tuple[dict, dict]:
     """``saved_state`` with every distributed matrix's tensors made whole (``DTensor.full_tensor``), for the checks.
 

@@ -155,6 +155,7 @@ def _first(rank: int, world: int, ckpt: Path) -> dict:
     _save(model, opt, ckpt / "fsdp2-2")
     _save(model, opt, ckpt / "fsdp2-2-flat", flatten=True)
     _save_consolidated(model, opt, rank, ckpt / "fsdp2-2-full.pt")
+    torch.save(opt.state_dict(), ckpt / f"fsdp2-2-rank{rank}.pt")  # per rank: resumes on 2 ranks only
     model, net = _ddp()
     opt = _optimizer(model, process_group=dist.group.WORLD)
     _train(net, opt, X, Y, range(RESUME_AT))
@@ -179,6 +180,13 @@ def _second(rank: int, world: int, ckpt: Path) -> dict:
     opt = _optimizer(model)
     _train(model, opt, X, Y, range(RESUME_AT))
     _save(model, opt, ckpt / "fsdp2-4")
+    steps = [float(state["step"]) for state in opt.state.values()]
+    try:  # a per-rank state_dict of 2 ranks (rank % 2's file) on 4
+        opt.load_state_dict(torch.load(ckpt / f"fsdp2-2-rank{rank % 2}.pt", weights_only=False))
+        out["per-rank 2->4"] = {"error": None}
+    except ValueError as exc:
+        out["per-rank 2->4"] = {"error": str(exc)}
+    out["per-rank 2->4"]["unchanged"] = steps == [float(state["step"]) for state in opt.state.values()]
     model, net = _ddp()
     opt = _optimizer(model, process_group=dist.group.WORLD)
     _train(net, opt, X, Y, range(RESUME_AT))
@@ -338,6 +346,17 @@ def test_a_consolidated_checkpoint_resumes_in_one_process(runs, single_process):
     X, Y = _data()
     _train(model, opt, X, Y, range(RESUME_AT, STEPS))
     assert _worst([p.detach() for p in model.parameters()], single_process) <= TOL
+
+
+def test_a_per_rank_state_dict_on_another_number_of_ranks_is_refused_with_the_way_to_do_it(runs):
+    """An FSDP2 per-rank ``opt.state_dict()`` holds ``DTensor``s on the 2-rank mesh it was saved on; on 4
+    ranks gathering them raised torch's ``narrow unexpectedly changed concrete size on dim 0: 32 -> 16``
+    on every rank (a user's hunt, 2026-12-03). Every rank now refuses it at once, naming DCP."""
+    results = [out["per-rank 2->4"] for out in runs["second"]]
+    for r in results:
+        assert r["error"] and "lies on a device mesh of the ranks [0, 1], the parameter on the ranks [0, 1, 2, 3]" \
+            in r["error"] and "torch.distributed.checkpoint" in r["error"], r
+        assert r["unchanged"], r
 
 
 def test_the_layouts_are_what_they_say(runs):
