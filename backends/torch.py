@@ -502,10 +502,11 @@ class FISMO(Optimizer):
         # new states. (Two try blocks, not one around the host read: dynamo cannot resume a graph break
         # inside a try block; it ran the whole step eagerly and compiled its parts, guarding on every
         # gradient's identity, so each step recompiled them.)
+        roots_due = self._roots_due_read_on_the_host()
         try:
             # Lines 4-8 of every FISMO group: gather, and compute on the owners.
             plans = {
-                id(group): self._fismo_compute(group, placements, checks.skip, created)
+                id(group): self._fismo_compute(group, placements, checks.skip, created, roots_due)
                 for group in self.param_groups
                 if group["algorithm"] == "fismo"
             }
@@ -685,11 +686,13 @@ class FISMO(Optimizer):
             # A value set in the group after construction (a schedule of beta, a typo) is checked here,
             # where its key and its core are made, and the error names the group.
             key = core_key(group)
-            if torch.compiler.is_compiling() and group.get("nonfinite", CORE_DEFAULTS.nonfinite) == "propagate":
+            if torch.compiler.is_compiling() and not self._step_reads_the_host():
                 # Built in the trace from the concrete key: a core cached by an eager call is an object whose
                 # float fields dynamo reads symbolically under dynamic=True, and the core's checks of them
-                # (math.isfinite) break the one graph. Not with host reads: their graph breaks would hand a
-                # new core to the next frame at every step, and its guards would recompile it.
+                # (math.isfinite) break the one graph. Not where the step reads the host anywhere (another
+                # group's policy included): their graph breaks would hand a new core to the next frame, which
+                # dynamo cannot rebuild there ("Reconstruction failure": until 2026-12-03 a "propagate" group
+                # beside a "raise" AdamW group ran the step eagerly and recompiled its parts at every step).
                 return make_core(key)
             if key not in cores:
                 core = make_core(key)
@@ -707,6 +710,18 @@ class FISMO(Optimizer):
                 self._check_states_fit(group, cores[key])
                 checked[index] = block_size
         return cores[key]
+
+    def _step_reads_the_host(self) -> bool:
+        """Whether the step reads the device: a group under ``"raise"`` or ``"skip"``, or a FISMO group that
+        checks its roots (`guards.checks_roots`: ``fallback``, by default unless ``"propagate"``)."""
+        for group in self.param_groups:
+            if group.get("nonfinite", CORE_DEFAULTS.nonfinite) != "propagate":
+                return True
+            inv_root = group.get("inv_root")  # a dict once checked (`validate_fismo_hparams`), else as written
+            fallback = inv_root.get("fallback") if isinstance(inv_root, dict) else getattr(inv_root, "fallback", None)
+            if group["algorithm"] == "fismo" and fallback:
+                return True
+        return False
 
     def _group_index(self, group: dict) -> int:
         """The position of ``group`` in ``param_groups``."""
@@ -778,13 +793,39 @@ class FISMO(Optimizer):
             )
         self._owners = owners
 
+    def _roots_due_read_on_the_host(self) -> dict[int, bool]:
+        """Whether each matrix's roots are due this step (``InverseRootConfig(every=k)``, ``k > 1``), by ``id``,
+        where the step count is read on the host: eagerly, and compiled where the roots are checked (a root's
+        repair reads the device; compiled without checks, the graph decides: `_torch_compile.TracedRootSchedule`).
+
+        One read of every such step count (CPU tensors), before `_step`'s try block: compiled, the read
+        is a graph break, and dynamo resumes one only outside a try block; inside it (one read per
+        matrix, until 2026-12-03) dynamo ran the whole step eagerly and compiled its parts, guarding on
+        each gradient, so that with AdamW groups every step compiled again, up to dynamo's recompile
+        limit (``FISMO.training``'s default configuration; a user's hunt).
+        """
+        counted: list[tuple[torch.Tensor, _CoreFISMO]] = []
+        for group in self.param_groups:
+            if group["algorithm"] != "fismo":
+                continue
+            core = self._core_for(group)
+            if core.inv_root.every == 1 or (
+                    torch.compiler.is_compiling() and not _guards.checks_roots(core.inv_root, core.nonfinite)):
+                continue
+            counted.extend((p, core) for p in group["params"] if p.grad is not None)
+        if not counted:
+            return {}
+        steps = [self.state.get(p, {}).get("step", 0) for p, _ in counted]
+        read = iter(torch.stack([torch.as_tensor(s) for s in steps]).tolist())  # CPU tensors, 0 without a state
+        return {id(p): core.inv_root.is_refresh_step(int(next(read))) for p, core in counted}
+
     def _fismo_compute(
-        self, group: dict, placements: dict, skip: Union[set, frozenset], created: list
+        self, group: dict, placements: dict, skip: Union[set, frozenset], created: list, roots_due: dict[int, bool]
     ) -> "_GroupStep":
         """Lines 4-8 for one group, nothing written: gather the gradients to their owners, and the owners' core calls.
 
         The initial states it creates are the only change; their parameters are appended to ``created``
-        first, so that the step can remove them again if it raises."""
+        first, so that the step can remove them again if it raises. ``roots_due``: `_roots_due_read_on_the_host`."""
         core = self._core_for(group)
         plan = _GroupStep(group, core)
         if not torch.compiler.is_compiling():  # compiled, _init_group checked the local ones at trace time
@@ -822,7 +863,7 @@ class FISMO(Optimizer):
             elif torch.compiler.is_compiling() and not _guards.checks_roots(core.inv_root, core.nonfinite):
                 refresh = None
             else:
-                refresh = core.inv_root.is_refresh_step(int(self.state[p].get("step", 0)))
+                refresh = roots_due[id(p)]
             buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
         for (m, n, *_, refresh), bucket in buckets.items():
             created.extend(p for p, _ in bucket if not self.state.get(p))

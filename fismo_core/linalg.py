@@ -707,7 +707,9 @@ def polar(
     xp = _check_float_matrices(X, "X")
     rtol = _check_rtol(rtol)
     checked = _check_flag(check)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
+    # Comparisons, not math.isfinite: torch.compile(dynamic=True) reads a cached core's eps as a symbolic
+    # float, which comparisons guard on and math.isfinite breaks the graph at (NaN fails both).
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
         raise ValueError(f"eps must be a finite number > 0 (the smallest norm normalised by), got {eps!r}")
     if method not in ("svd", "newton_schulz"):
         raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")
