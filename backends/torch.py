@@ -816,7 +816,8 @@ class FISMO(Optimizer):
         if not counted:
             return {}
         steps = [self.state.get(p, {}).get("step", 0) for p, _ in counted]
-        read = iter(torch.stack([torch.as_tensor(s) for s in steps]).tolist())  # CPU tensors, 0 without a state
+        # CPU tensors (`as_tensor` copies none of them), 0 without a state.
+        read = iter(torch.stack([torch.as_tensor(s, device=STEP_COUNT_DEVICE) for s in steps]).tolist())
         return {id(p): core.inv_root.is_refresh_step(int(next(read))) for p, core in counted}
 
     def _fismo_compute(

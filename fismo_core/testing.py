@@ -140,7 +140,7 @@ def _host_array(x: Any) -> Any:
     if module == "torch":
         import torch
 
-        x = x.detach().cpu()
+        x = x.detach().cpu().resolve_conj().resolve_neg()  # .numpy() refuses torch's lazy conj and neg views
         if x.dtype == torch.complex32:
             x = x.to(torch.complex64)
         elif x.is_floating_point() and x.dtype not in (torch.float16, torch.float32, torch.float64):

@@ -228,17 +228,19 @@ def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps
     """Stage 3's other configurations, as above on the CPU: ``FISMO.training`` (its roots recomputed at
     step 11, inside the one graph), and a compile that finds the states of two eager steps (one graph,
     and every step count still on the CPU), and AdamW groups beside the matrices. The training
-    configuration's eager step reads its 8 step counts to decide whether roots are due, and AdamW the
-    8 of its biases (``torch.optim.adamw``): CPU tensors, which on a GPU the check does not count (they
-    do not wait for the device); on the CPU they are the one problem reported."""
+    configuration's eager step reads its 8 step counts to decide whether roots are due, in one read
+    (one per matrix until 2026-12-03), and AdamW the 8 of its biases (``torch.optim.adamw``): CPU
+    tensors, which on a GPU the check does not count (they do not wait for the device); on the CPU they
+    are the one problem reported."""
     pytest.importorskip("torch._dynamo")
     params = gpu_checks.MODELS["tiny-gpt"]()
     check = gpu_checks.check_compiled_step(
         params, model="tiny-gpt", dtype="float32", config=config, device="cpu",
         compile_options={"backend": "eager", "fullgraph": True}, repeats=1,
     )
-    site = {"training, propagate": "_fismo_compute", "propagate, AdamW biases": "adamw_group_step"}.get(config)
-    step_count_reads = [p for p in check.problems if site and p.startswith("8 host reads") and f"{site})" in p]
+    reads, site = {"training, propagate": (1, "_roots_due_read_on_the_host"),
+                   "propagate, AdamW biases": (8, "adamw_group_step")}.get(config, (0, None))
+    step_count_reads = [p for p in check.problems if site and p.startswith(f"{reads} host reads") and f"{site})" in p]
     expected = 1 if site else 0
     assert len(step_count_reads) == expected and check.problems == step_count_reads and check.errors == {}
     assert (check.graphs_first_step, check.graph_breaks, check.recompiles_after_first_step) == (1, 0, 0)

@@ -885,3 +885,15 @@ def test_non_finite_values_in_the_same_places_agree() -> None:
     with np.errstate(divide="ignore"):  # NumPy's log(0), in the reference call
         report = check_backends(log_and_mean, x, targets=AVAILABLE)
     assert report.ok, report.table()
+
+
+def test_to_numpy_reads_torchs_lazy_conjugate_and_negative_views() -> None:
+    """``torch.conj`` of a complex tensor is a view with the conjugate bit set, which ``Tensor.numpy()``
+    refuses: ``to_numpy`` raised on a complex128 one (a complex64 one was converted, and so resolved)."""
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)
+    assert torch.conj(z).is_conj()
+    np.testing.assert_array_equal(to_numpy(torch.conj(z)), np.array([1 - 2j, 3 + 1j]))
+    negative = torch.tensor([1.0, 2.0], dtype=torch.float64)._neg_view()
+    assert negative.is_neg()
+    np.testing.assert_array_equal(to_numpy(negative), np.array([-1.0, -2.0]))

@@ -95,6 +95,7 @@ PHASES: dict[tuple[str, str], str] = {
     ("torch.py", "_apply_shard"): "line 9 (parameter update)",
     ("torch.py", "_directions"): "adapter glue: gradient stack, D[i], step counters",
     ("torch.py", "_fismo_compute"): "adapter glue: gradient stack, D[i], step counters",
+    ("torch.py", "_roots_due_read_on_the_host"): "adapter glue: gradient stack, D[i], step counters",
     ("torch.py", "_fismo_apply"): "adapter glue: gradient stack, D[i], step counters",
     ("torch.py", "_settle"): "the step's read of the fault flags",
 }
