@@ -668,15 +668,17 @@ def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("options", [{}, {"block_size": 8, "nesterov": True, "weight_decay": 0.1}],
-                         ids=["printed", "blocks"])
+@pytest.mark.parametrize("options", [{}, {"block_size": 8, "nesterov": True, "weight_decay": 0.1},
+                                     {"inv_root": {"every": 3}, "block_size": 8}],
+                         ids=["printed", "blocks", "roots every 3"])
 def test_dynamic_true_traces_without_a_break_and_the_eager_numbers(options):
     """``torch.compile(opt.step, fullgraph=True, dynamic=True)``: the core cached by the eager
     ``_init_group`` had float fields that dynamo read symbolically, and ``linalg.polar``'s check of ``eps``
     (``math.isfinite``) raised under ``fullgraph`` (20 graphs and 9 breaks without it). The core is built
     in the trace from the concrete key now: no break, nothing compiled after the first call (whose
-    analysis dynamo restarts once, counted twice), equal to the eager step bit for bit. Roots every k
-    steps under dynamic=True still fail inside torch.cond in torch 2.13 (docs/torch.md)."""
+    analysis dynamo restarts once, counted twice), equal to the eager step bit for bit. Eigh roots every k
+    steps too, through a refresh (step 3); Newton-Schulz roots every k steps under dynamic=True still fail
+    inside torch.cond in torch 2.13 (docs/torch.md)."""
     model = _matrices_only()
     twin = copy.deepcopy(model)
     batches = _batches(model, 4)
