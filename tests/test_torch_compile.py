@@ -669,8 +669,8 @@ def test_the_training_configuration_is_one_graph_and_the_eager_numbers():
 
 
 @pytest.mark.parametrize("options", [{}, {"block_size": 8, "nesterov": True, "weight_decay": 0.1},
-                                     {"inv_root": {"every": 3}, "block_size": 8}],
-                         ids=["printed", "blocks", "roots every 3"])
+                                     {"inv_root": {"every": 3}}, {"inv_root": {"every": 3}, "block_size": 8}],
+                         ids=["printed", "blocks", "roots every 3", "roots every 3, blocks"])
 def test_dynamic_true_traces_without_a_break_and_the_eager_numbers(options):
     """``torch.compile(opt.step, fullgraph=True, dynamic=True)``: the core cached by the eager
     ``_init_group`` had float fields that dynamo read symbolically, and ``linalg.polar``'s check of ``eps``
