@@ -520,9 +520,7 @@ class FISMO(Optimizer):
         # anything (a root's check, a "raise" or "skip" group's flags), so that a flag set on one rank
         # alone is every rank's decision; a sync-free step (every group "propagate", roots unchecked)
         # runs none.
-        reads = any(group.get("nonfinite", CORE_DEFAULTS.nonfinite) != "propagate" for group in self.param_groups)
-        agree = _dist.owner_groups(placements) if reads or any(
-            _guards.checks_roots(plan.core.inv_root, plan.core.nonfinite) for plan in plans.values()) else []
+        agree = _dist.owner_groups(placements) if self._step_reads_the_host() else []
         # Under DDP a digest of which matrices have a gradient rides along: the owners' broadcasts pair up
         # only where every rank steps the same matrices.
         digest = gradient_digest(self.param_groups, placements) if agree else None
@@ -715,12 +713,14 @@ class FISMO(Optimizer):
         """Whether the step reads the device: a group under ``"raise"`` or ``"skip"``, or a FISMO group that
         checks its roots (`guards.checks_roots`: ``fallback``, by default unless ``"propagate"``)."""
         for group in self.param_groups:
-            if group.get("nonfinite", CORE_DEFAULTS.nonfinite) != "propagate":
+            nonfinite = group.get("nonfinite", CORE_DEFAULTS.nonfinite)
+            if nonfinite != "propagate":
                 return True
-            inv_root = group.get("inv_root")  # a dict once checked (`validate_fismo_hparams`), else as written
-            fallback = inv_root.get("fallback") if isinstance(inv_root, dict) else getattr(inv_root, "fallback", None)
-            if group["algorithm"] == "fismo" and fallback:
-                return True
+            if group["algorithm"] == "fismo":
+                inv_root = group["inv_root"]  # a dict once checked (`validate_fismo_hparams`), else as written
+                fallback = inv_root.get("fallback") if isinstance(inv_root, dict) else getattr(inv_root, "fallback", None)
+                if _guards.checks_roots(InverseRootConfig(fallback=fallback), nonfinite):
+                    return True
         return False
 
     def _group_index(self, group: dict) -> int:
@@ -855,16 +855,14 @@ class FISMO(Optimizer):
             m, n = _fismo.matrix_shape(p.shape)
             G = grad.reshape(m, n)
             # InverseRootConfig.every: whether this parameter's roots are due, from its own step count.
-            # With every == 1 (the default) they always are: no read of the step count.
-            # Compiled (torch.compile), the decision stays on the device: see _torch_compile.TracedRootSchedule.
-            every = core.inv_root.every
+            # With every == 1 (the default) they always are: no read of the step count. Otherwise the
+            # count was read on the host (`_roots_due_read_on_the_host`), or, compiled without root
+            # checks, the decision stays on the device (None: _torch_compile.TracedRootSchedule).
             refresh: Union[bool, None, TracedRootSchedule]
-            if every == 1:
+            if core.inv_root.every == 1:
                 refresh = True
-            elif torch.compiler.is_compiling() and not _guards.checks_roots(core.inv_root, core.nonfinite):
-                refresh = None
             else:
-                refresh = roots_due[id(p)]
+                refresh = roots_due.get(id(p))
             buckets.setdefault((m, n, p.dtype, G.device, refresh), []).append((p, G))
         for (m, n, *_, refresh), bucket in buckets.items():
             created.extend(p for p, _ in bucket if not self.state.get(p))
