@@ -322,11 +322,15 @@ def _check_through_core(saved: dict, p: torch.Tensor, block_size: Optional[int],
     try:
         FISMOState.from_dict(d, like, block_size=block_size)
     except (KeyError, ValueError, TypeError) as exc:
-        blocks = f" with block_size={block_size}" if block_size is not None else ""
-        message = exc.args[0] if exc.args else str(exc)
-        raise type(exc)(
-            f"the checkpoint's state for {name}, optimised as the {m}x{n} matrix{blocks}: {message}"
-        ) from exc
+        raise _naming_the_parameter(exc, p, block_size, name) from exc
+
+
+def _naming_the_parameter(exc: Exception, p: torch.Tensor, block_size: Optional[int], name: str) -> Exception:
+    """``exc``, an error of the core's checks of one parameter's saved state, with the parameter named."""
+    m, n = _fismo.matrix_shape(p.shape)
+    blocks = f" with block_size={block_size}" if block_size is not None else ""
+    message = exc.args[0] if exc.args else str(exc)
+    return type(exc)(f"the checkpoint's state for {name}, optimised as the {m}x{n} matrix{blocks}: {message}")
 
 
 def restore_saved_state(
@@ -426,7 +430,9 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
     """``saved_state`` with every distributed matrix's tensors made whole (``DTensor.full_tensor``), for the checks.
 
     A collective (in parameter order, the same on every rank), so that every
-    rank then checks the same checkpoint and takes the same decision. Only
+    rank then checks the same checkpoint and takes the same decision (a NaN
+    or an infinity in a floating tensor, `guards.check_saved_finite`, is
+    refused here, on every rank, while each holds the values). Only
     the owner keeps a matrix's tensors; the other ranks keep their shapes and
     dtypes (on the ``meta`` device), which is all the checks read, so no rank
     holds more than one other matrix's full state at a time. Returns the
@@ -434,10 +440,10 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
     matrix another rank owns keeps only its step count.
     """
     full, base = dict(saved_state), dict(saved_state)
-    for saved_group, group in zip(saved_groups, param_groups):
+    for gi, (saved_group, group) in enumerate(zip(saved_groups, param_groups)):
         if group.get("algorithm", "fismo") != "fismo":
             continue
-        for key, p in zip(saved_group["params"], group["params"]):
+        for i, (key, p) in enumerate(zip(saved_group["params"], group["params"])):
             saved = saved_state.get(key)
             placement = placements.get(p)
             if not (saved and placement is not None and placement.distributed):
@@ -446,8 +452,14 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
             for k, v in saved.items():
                 if isinstance(v, torch.Tensor):
                     v = full_tensor(v)
-                    if not placement.owns and v.is_floating_point() and v.ndim:
-                        v = v.to("meta")
+                    if v.is_floating_point() and v.ndim:
+                        try:  # on every rank while it holds the values (the owner's from_dict checks them again)
+                            _guards.check_saved_finite(_xp, v, k)
+                        except ValueError as exc:
+                            raise _naming_the_parameter(
+                                exc, p, group.get("block_size"), param_name(group, i, gi)) from exc
+                        if not placement.owns:
+                            v = v.to("meta")
                 whole[k] = v
             full[key] = whole
             base[key] = whole if placement.owns else {k: v for k, v in whole.items() if k == "step"}

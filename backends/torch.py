@@ -361,7 +361,8 @@ class FISMO(Optimizer):
         checked against the parameter by the core's
         [`FISMOState.from_dict`][fismo_core.FISMOState.from_dict], with its
         messages: a missing or unknown key (``KeyError``), a shape that does
-        not fit the parameter's matrix ``(m, n)`` or malformed counters
+        not fit the parameter's matrix ``(m, n)``, a NaN or an infinity in
+        ``P``, ``Q``, ``M`` or a root, or malformed counters
         (``ValueError``), or a non-floating ``P``, ``Q``, ``M`` or root
         (``TypeError``) raises and leaves the optimizer as it was. (Floating
         dtypes are converted, as ``torch.optim`` does.) The FISMO state is copied, never shared

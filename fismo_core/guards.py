@@ -151,9 +151,7 @@ def check_finite(xp: Any, G: Array, W: Optional[Array] = None, *, dtype: Any = N
     for X, name in ((G, "G"), (W, "W")):
         if X is None or bool(xp.all(xp.isfinite(X))):
             continue
-        nan = int(xp.sum(xp.astype(xp.isnan(X), xp.int32)))
-        inf = int(xp.sum(xp.astype(xp.isinf(X), xp.int32)))
-        counts = f"{nan} NaN, {inf} infinite of {math.prod(X.shape)} entries"
+        counts = _nonfinite_counts(xp, X)
         if name == "G":
             if G.dtype != given_dtype:
                 counts += f" once cast from {given_dtype} to the state's dtype {G.dtype}, whose range it exceeds"
@@ -166,6 +164,35 @@ def check_finite(xp: Any, G: Array, W: Optional[Array] = None, *, dtype: Any = N
             "step diverged, or they were loaded so); the step was not taken and the state is unchanged. "
             "Restore W from a checkpoint"
         )
+
+
+def check_saved_finite(xp: Any, X: Array, key: str) -> None:
+    """Refuse a saved state array ``X`` (``state.<key>``) that holds a NaN or an infinity, with a ``ValueError``.
+
+    ``P``, ``Q`` and ``M`` are averages of every gradient since the first
+    step: one NaN stays in them for good, and a step with them turns the
+    parameters into NaN without an error under any policy (the gradient's
+    and the parameters' checks pass). Such a state comes from a run that
+    diverged under ``nonfinite="propagate"``, or from a damaged file; it is
+    refused where it is loaded (`FISMOState.from_dict`, the torch
+    ``load_state_dict``), one host read per array. Inside a traced function
+    (``jax.jit``) and on torch's ``meta`` device (another rank's state,
+    checked where its values are) nothing can be read: no check.
+    """
+    if getattr(_device(X), "type", None) == "meta" or _host_bool(all_finite(xp, X)) in (None, True):
+        return
+    raise ValueError(
+        f"state.{key} contains NaN or infinite values ({_nonfinite_counts(xp, X)}): the state is damaged (saved "
+        "by a run that diverged, or edited), and a step would turn the parameters into NaN. Resume from an "
+        "earlier checkpoint, or start a new state"
+    )
+
+
+def _nonfinite_counts(xp: Any, X: Array) -> str:
+    """How many entries of ``X`` are NaN and infinite, in words (two host reads: for an error message only)."""
+    nan = int(xp.sum(xp.astype(xp.isnan(X), xp.int32)))
+    inf = int(xp.sum(xp.astype(xp.isinf(X), xp.int32)))
+    return f"{nan} NaN, {inf} infinite of {math.prod(X.shape)} entries"
 
 
 # ------------------------------------------------------- other optimizers' keywords

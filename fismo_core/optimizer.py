@@ -369,8 +369,10 @@ class FISMOState(NamedTuple):
             A key is missing, or there are keys a FISMO state does not have.
         ValueError
             The state was saved with another ``block_size`` (the message
-            names both); a shape does not fit ``like``; malformed counters or
-            step; an unknown format.
+            names both); a shape does not fit ``like``; a NaN or an infinity
+            in ``P``, ``Q``, ``M`` or a root (`guards.check_saved_finite`:
+            the next step would make the parameters NaN); malformed counters
+            or step; an unknown format.
         TypeError
             A dtype that is not the state dtype of ``like``; ``d`` not a
             mapping; ``like`` not a real floating array.
@@ -411,6 +413,7 @@ class FISMOState(NamedTuple):
                     f"{getattr(dtype, '__name__', dtype)}; states are not converted, so that a resumed run is "
                     "bit-identical"
                 )
+            guards.check_saved_finite(xp, x, key)
             return x
 
         fields: dict[str, Any] = {}

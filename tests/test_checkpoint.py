@@ -151,6 +151,12 @@ def _saved(shape=SHAPE, dtype=np.float64) -> dict:
         (lambda d: {k: v for k, v in d.items() if k != "M"}, np.zeros(SHAPE), KeyError, r"missing \['M'\]"),
         (lambda d: {k: v for k, v in d.items() if k != "step"}, np.zeros(SHAPE), KeyError, r"missing \['step'\]"),
         (lambda d: {**d, "exp_avg": np.zeros(SHAPE)}, np.zeros(SHAPE), KeyError, r"unexpected keys \['exp_avg'\]"),
+        # Loaded until 2026-12-03: the next step made the parameters NaN, with no error under any policy.
+        (lambda d: {**d, "M": np.where(np.arange(48).reshape(SHAPE) < 3, np.nan, d["M"])}, np.zeros(SHAPE),
+         ValueError, r"state\.M contains NaN or infinite values \(3 NaN, 0 infinite of 48 entries\): the state is "
+                     r"damaged"),
+        (lambda d: {**d, "Q_inv_sqrt": np.where(np.eye(6) > 0, np.inf, d["Q_inv_sqrt"])}, np.zeros(SHAPE),
+         ValueError, r"state\.Q_inv_sqrt contains NaN or infinite values \(0 NaN, 12 infinite of 72 entries\)"),
         (lambda d: {**d, "skipped": np.zeros(3, np.int32)}, np.zeros(SHAPE), ValueError,
          r"state\.skipped must be an integer array of shape \(2,\)"),
         (lambda d: {**d, "root_failures": np.zeros(2)}, np.zeros(SHAPE), ValueError,
@@ -179,7 +185,7 @@ def _saved(shape=SHAPE, dtype=np.float64) -> dict:
         (lambda d: d, [[0.0]], TypeError, r"like must be an array"),
         (lambda d: d, np.zeros(SHAPE, np.int64), TypeError, r"like must have a real floating dtype"),
     ],
-    ids=["other-n", "unbatched", "dtype", "missing-M", "missing-step", "extra-key", "counter-shape",
+    ids=["other-n", "unbatched", "dtype", "missing-M", "missing-step", "extra-key", "nan-M", "infinite-root", "counter-shape",
          "counter-dtype", "negative-counter", "int32-overflowing-counter", "fractional-step", "negative-step", "format", "inf-step", "nan-step", "none-step",
          "bool-step", "numpy-bool-step", "string-step", "fractional-format", "none-format", "fractional-block-size",
          "not-a-mapping", "like-list", "like-int"],
@@ -326,6 +332,12 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
         (lambda torch, saved, other: _edit(saved, 0, "P", None), KeyError, r"missing \['P'\]"),
         (lambda torch, saved, other: _edit(saved, 0, "M", torch.zeros(4, 5, dtype=torch.int64)), TypeError,
          r"state for parameter 0 of param group 0 .*: state\.M has dtype torch\.int64"),
+        (lambda torch, saved, other: _edit(saved, 0, "Q", torch.full((5, 5), math.nan)), ValueError,
+         r"state for parameter 0 of param group 0 .*: state\.Q contains NaN or infinite values \(25 NaN, 0 infinite "
+         r"of 25 entries\)"),
+        # Beyond float32's range, as the float32 state it would be loaded into.
+        (lambda torch, saved, other: _edit(saved, 0, "M", torch.full((4, 5), 1e300, dtype=torch.float64)),
+         ValueError, r"state\.M contains NaN or infinite values \(0 NaN, 20 infinite of 20 entries\)"),
         (lambda torch, saved, other: _edit(saved, 1, "skipped", torch.zeros(2)), ValueError,
          r"state\.skipped must be an integer array of shape \(\)"),
         (lambda torch, saved, other: {"state": saved["state"], "param_groups": saved["param_groups"][::-1]},
@@ -341,7 +353,7 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
          ValueError, r"param group 1 has algorithm 'adamw', but the checkpoint's group 1 has no algorithm "
                      r"\(not saved by FISMO\)"),
     ],
-    ids=["other-model", "missing-P", "integer-M", "counter", "groups-swapped", "adamw-saved-as-fismo", "not-fismos"],
+    ids=["other-model", "missing-P", "integer-M", "nan-Q", "M-beyond-float32", "counter", "groups-swapped", "adamw-saved-as-fismo", "not-fismos"],
 )
 def test_torch_checkpoint_that_does_not_fit_is_refused(make, exc, match) -> None:
     """A checkpoint for other shapes, with a missing or malformed tensor, or with the groups in

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import copy
+import math
 import os
 import time
 from datetime import timedelta
@@ -502,6 +503,42 @@ def _run_state_dict_before_the_next_step(rank: int, X, Y) -> dict:
     return out
 
 
+def _run_damaged_state_loaded(rank: int, X, Y) -> dict:
+    """A checkpoint whose ``M`` of one matrix holds a NaN, loaded under DDP (replicated matrices, gradients set
+    by hand) and FSDP2 (`_fsdp2_model`). Per case: what each rank's ``load_state_dict`` raised, whether this
+    rank owns the damaged matrix, and whether the states this rank holds stayed as they were."""
+    from fismo_core.backends.torch import FISMO
+
+    def load_damaged(opt, index) -> dict:  # index: in the state_dict, the position in the param groups
+        params = [p for group in opt.param_groups for p in group["params"]]
+        saved = opt.state_dict()
+        M = saved["state"][index]["M"]
+        saved["state"][index] = {**saved["state"][index], "M": torch.full_like(M, math.nan)}
+        held = [{k: v.clone() for k, v in opt.state[p].items() if not v.is_meta} for p in params]
+        try:
+            opt.load_state_dict(saved)
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        unchanged = all(set(before) == {k for k, v in opt.state[p].items() if not v.is_meta}
+                        and all(torch.equal(v, opt.state[p][k]) for k, v in before.items())
+                        for p, before in zip(params, held))
+        return {"error": error, "owns": _owns(opt, params[index]), "unchanged": unchanged}
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(2)]
+    opt = FISMO(weights, lr=LR, process_group=dist.group.WORLD)
+    for p in weights:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    out = {"ddp": load_damaged(opt, 1)}
+    model = _fsdp2_model()
+    opt = _optimizer(model)
+    _train(model, opt, X, Y, range(1))
+    out["fsdp2"] = load_damaged(opt, 1)
+    return out
+
+
 def _run_owners_moved(rank: int, X, Y) -> dict:
     """Replicated matrices with states (gradients set by hand), then a change that moves owners: a matrix
     inserted before others (appended to the first group's params), or a block_size set on a stateless
@@ -550,6 +587,7 @@ def _worker(rank: int, store: str, out: str) -> None:
                    "resized": _run_resized(rank, X, Y),
                    "owners moved": _run_owners_moved(rank, X, Y),
                    "state_dict before the next step": _run_state_dict_before_the_next_step(rank, X, Y),
+                   "damaged state loaded": _run_damaged_state_loaded(rank, X, Y),
                    **{f"{mode}, compiled": _run_compiled(rank, X, Y, mode) for mode in ("ddp", "fsdp2")},
                    "ddp, mismatched gradients": _run_mismatched_grads(rank, X, Y),
                    "ddp, mismatched gradients, roots unchecked":
@@ -918,6 +956,18 @@ def test_a_state_dict_before_the_next_step_exports_the_owners_state(runs, case):
             for key, (value, dtype) in r["exported"][i].items():
                 assert dtype == want, (case, i, key, dtype)
                 assert torch.equal(value, live[key]), (case, i, key)  # widening float32 to float64 is exact
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_nan_in_a_loaded_state_is_refused_on_every_rank(runs, mode):
+    """Until 2026-12-03 a checkpoint whose ``M`` held a NaN loaded, and the next step made the parameters NaN
+    with no error, under every policy. Every rank refuses it now, not only the owner (whose refusal alone
+    would have left the others to wait in the next step's collectives), and keeps what it held."""
+    results = [run["damaged state loaded"][mode] for run in runs]
+    assert sorted(r["owns"] for r in results) == [False, True]
+    for r in results:
+        assert r["error"] and "state for parameter 1 of param group 0" in r["error"] and "state.M contains NaN or infinite values" in r["error"], r
+        assert r["unchanged"], r
 
 
 def test_a_resized_matrix_is_refused_on_every_rank(runs):
