@@ -175,9 +175,9 @@ def check_saved_finite(xp: Any, X: Array, key: str) -> None:
     and the parameters' checks pass). Such a state comes from a run that
     diverged under ``nonfinite="propagate"``, or from a damaged file; it is
     refused where it is loaded (`FISMOState.from_dict`, the torch
-    ``load_state_dict``), one host read per array. Inside a traced function
-    (``jax.jit``) and on torch's ``meta`` device (another rank's state,
-    checked where its values are) nothing can be read: no check.
+    ``load_state_dict``), one host read per array. Where nothing can be read
+    (a tracer; torch's ``meta`` device: another rank's state, checked where
+    its values are), no check.
     """
     if getattr(_device(X), "type", None) == "meta" or _host_bool(all_finite(xp, X)) in (None, True):
         return
