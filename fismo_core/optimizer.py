@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Union
 
-from array_api_compat import array_namespace, is_array_api_obj
+from array_api_compat import array_namespace, is_array_api_obj, to_device
 
 from . import guards, linalg
 from .guards import InverseRootError, InverseRootWarning
@@ -1378,6 +1378,16 @@ def _saved_array(xp: Any, x: Any, like: Array, device: Any, key: str) -> Array:
                 f"state.{key} is an array of {library} that {wanted} cannot take through DLPack ({exc}); pass "
                 "the state's arrays as NumPy arrays"
             ) from exc
+    if guards.library_name(x) == wanted and _device(x) != _device(like):
+        # xp.asarray(x, device=...) leaves a JAX array committed to another device where it is, and the
+        # next operation raised "incompatible devices" (a user's hunt, 2026-12-03). Without a device (an
+        # uncommitted JAX `like`), through the host: uncommitted on the default device, as `like`.
+        if device is not None:
+            x = to_device(x, device)
+        else:
+            import numpy
+
+            x = xp.asarray(numpy.asarray(x))
     return xp.asarray(x, device=device)
 
 

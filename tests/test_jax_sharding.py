@@ -489,6 +489,37 @@ def _user_hunt_cases() -> dict[str, Any]:
     return out
 
 
+def _core_state_on_another_device() -> dict[str, Any]:
+    """A core state stepped on device 1, read back by ``FISMOState.from_dict`` for parameters on device 0
+    (committed, and uncommitted on the default device): where its ``M`` lies, whether committed, and
+    whether a step then runs (its error otherwise). Also from a torch CPU state (through DLPack)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from fismo_core import FISMO, FISMOState
+
+    d0, d1 = jax.devices()[:2]
+    opt = FISMO()
+    rng = np.random.default_rng(3)
+    W, G = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    W1 = jax.device_put(jnp.asarray(W), d1)
+    saved = opt.step(W1, jax.device_put(jnp.asarray(G), d1), opt.init(W1))[1].to_dict()
+    from_torch = {k: torch.asarray(np.asarray(v)) if getattr(v, "ndim", 0) else v for k, v in saved.items()}
+    out: dict[str, Any] = {}
+    for name, d, like in [("committed", saved, jax.device_put(jnp.asarray(W), d0)),
+                          ("uncommitted", saved, jnp.asarray(W)),
+                          ("torch, committed to device 1", from_torch, jax.device_put(jnp.asarray(W), d1))]:
+        try:
+            state = FISMOState.from_dict(d, like=like)
+            opt.step(like, jax.device_put(jnp.asarray(G), next(iter(like.devices()))) if like.committed
+                     else jnp.asarray(G), state)
+            out[name] = {"device": str(next(iter(state.M.devices()))), "committed": state.M.committed, "error": None}
+        except Exception as exc:  # recorded: the test says which case failed and how
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    return out
+
+
 def _worker() -> None:
     """Every case on 8 host devices; prints ``{case: measurements}`` as one JSON line."""
     import jax
@@ -499,7 +530,8 @@ def _worker() -> None:
     )
     assert jax.device_count() == DEVICES, jax.devices()
     print(json.dumps({**{name: _run_case(name) for name in CASES}, "wrappers": _wrapper_executables(),
-                      "numpy_gradients": _numpy_gradients(), "user_hunt": _user_hunt_cases()}))
+                      "numpy_gradients": _numpy_gradients(), "user_hunt": _user_hunt_cases(),
+                      "core_state_on_another_device": _core_state_on_another_device()}))
 
 
 @pytest.fixture(scope="module")
@@ -695,3 +727,16 @@ def test_a_state_resumed_from_a_host_copy_is_laid_out_as_init_lays_it_out(result
     came back with ``M`` replicated (found by a user's hunt). They take init's layout, read from the
     gradient's type: ``M`` like the leaf."""
     assert results["user_hunt"]["resumed_from_host_M"] == {"eager": ["x", "y"], "jit": ["x", "y"]}
+
+
+def test_from_dict_moves_a_state_to_the_parameters_device(results: dict[str, Any]) -> None:
+    """``FISMOState.from_dict`` says it moves the arrays to ``like``'s device: a JAX state committed to device 1
+    stayed there (``xp.asarray(x, device=...)`` does not move it), and raised JAX's "incompatible devices"
+    (committed ``like``) or the step's "one device" error (uncommitted; a user's hunt, 2026-12-03). Now on
+    ``like``'s device, uncommitted where ``like`` is."""
+    got = results["core_state_on_another_device"]
+    assert got == {
+        "committed": {"device": "cpu:0", "committed": True, "error": None},
+        "uncommitted": {"device": "cpu:0", "committed": False, "error": None},
+        "torch, committed to device 1": {"device": "cpu:1", "committed": True, "error": None},
+    }, got
