@@ -190,6 +190,27 @@ def unpack(core: _CoreFISMO, states: list[dict], stacked: FISMOState, new: FISMO
 
 
 # ---------------------------------------------------------------- checkpoints
+def check_saved_keys(saved_state: dict, saved_groups: list) -> None:
+    """Refuse a checkpoint whose ``state`` has a key that names none of its groups' parameters.
+
+    ``Optimizer.load_state_dict`` keeps such a state under its key and starts the parameter afresh, without a
+    word; then ``state_dict`` raised a raw ``TypeError`` sorting the keys (a user's hunt, 2026-12-03). A
+    checkpoint that went through JSON has string keys ("0") in place of the parameters' indices.
+    """
+    indices = [index for group in saved_groups for index in group["params"]]
+    unknown = [key for key in saved_state if key not in set(indices)]
+    if unknown:
+        def listed(keys: list) -> str:
+            return ", ".join(repr(key) for key in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+        raise ValueError(
+            f"the checkpoint's state has keys that name no parameter of its param_groups: {listed(unknown)} (the "
+            f"groups' params are {listed(indices)}). The keys of a "
+            "state_dict's state are its parameters' indices, as in param_groups' params; a checkpoint through "
+            "JSON makes them strings. Nothing was loaded"
+        )
+
+
 def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list) -> None:
     """`load_state_dict`'s checks of the FISMO states against the parameters, before anything changes.
 
@@ -362,10 +383,15 @@ def restore_saved_state(
                 continue
             dtype = state_dtype(p.dtype)
             device = local_device(p)
+            layout = _fismo.state_layout(*_fismo.matrix_shape(p.shape), group.get("block_size"))
+            for key in set(s) - {"step", *layout, *COUNTER_KEYS}:
+                # FISMOState.to_dict's block_size and format, which from_dict checked (the group holds the
+                # block_size): kept, they made every step refuse the state (a user's hunt, 2026-12-03).
+                del s[key]
             # Copies (copy=True): FISMO updates its state in place, so a state_dict taken from
             # another live optimizer must not share tensors with it.
             # as_tensor: from_dict (check_saved_state) also accepts arrays and Python integers.
-            for key in _fismo.state_layout(*_fismo.matrix_shape(p.shape), group.get("block_size")):
+            for key in layout:
                 if key in saved:
                     s[key] = torch.as_tensor(saved[key]).to(device=device, dtype=dtype, copy=True)
             for key in COUNTER_KEYS:

@@ -78,6 +78,7 @@ from ._torch_state import (
     agreed_refusal,
     check_grads,
     check_loaded_settings,
+    check_saved_keys,
     check_saved_meshes,
     check_saved_state,
     complete_loaded_state,
@@ -376,6 +377,7 @@ class FISMO(Optimizer):
             if hook_result is not None:
                 state_dict = hook_result
         saved_groups = state_dict["param_groups"]
+        check_saved_keys(state_dict["state"], saved_groups)
         check_saved_meshes(self.param_groups, state_dict["state"], saved_groups)
         placements = self._placements(laid_out=False)
         saved_state, base_state = full_saved_state(self.param_groups, state_dict["state"], saved_groups, placements)

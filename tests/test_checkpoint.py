@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from fismo_core import FISMO, FISMOState
+from fismo_core.optimizer import state_block_size
 from fismo_core.testing import Target, reference_gradients, to_numpy
 
 FIELDS = ("P", "Q", "M", "P_inv_sqrt", "Q_inv_sqrt", "skipped", "root_failures")
@@ -340,6 +341,12 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
          ValueError, r"state\.M contains NaN or infinite values \(0 NaN, 20 infinite of 20 entries\)"),
         (lambda torch, saved, other: _edit(saved, 1, "skipped", torch.zeros(2)), ValueError,
          r"state\.skipped must be an integer array of shape \(\)"),
+        # Loaded by the base class until 2026-12-03, its parameters starting afresh; state_dict then raised
+        # a raw TypeError sorting the keys (a user's hunt). Through JSON the keys become strings.
+        (lambda torch, saved, other: {"state": {str(k): v for k, v in saved["state"].items()},
+                                      "param_groups": saved["param_groups"]}, ValueError,
+         r"the checkpoint's state has keys that name no parameter of its param_groups: '0', '1', '2', '3' \(the "
+         r"groups' params are 0, 1, 2, 3\)"),
         (lambda torch, saved, other: {"state": saved["state"], "param_groups": saved["param_groups"][::-1]},
          ValueError, r"param group 0 has algorithm .fismo., but the checkpoint.s group 0 has .adamw."),
         # The AdamW group (group 1) saved as a FISMO group: the base class would take the checkpoint's
@@ -353,7 +360,7 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
          ValueError, r"param group 1 has algorithm 'adamw', but the checkpoint's group 1 has no algorithm "
                      r"\(not saved by FISMO\)"),
     ],
-    ids=["other-model", "missing-P", "integer-M", "nan-Q", "M-beyond-float32", "counter", "groups-swapped", "adamw-saved-as-fismo", "not-fismos"],
+    ids=["other-model", "missing-P", "integer-M", "nan-Q", "M-beyond-float32", "counter", "string-keys", "groups-swapped", "adamw-saved-as-fismo", "not-fismos"],
 )
 def test_torch_checkpoint_that_does_not_fit_is_refused(make, exc, match) -> None:
     """A checkpoint for other shapes, with a missing or malformed tensor, or with the groups in
@@ -389,6 +396,31 @@ def test_torch_checkpoint_with_numbers_for_step_counts_resumes_bit_for_bit() -> 
     _torch_train(torch, model, opt, [3, 4])
     _torch_train(torch, fresh, opt_f, [3, 4])
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize("block_size", [None, 2], ids=["full", "blocks"])
+def test_torch_loads_states_with_to_dicts_own_keys_and_goes_on_bit_for_bit(block_size) -> None:
+    """A FISMO state as ``FISMOState.to_dict`` writes it, with its ``block_size`` and format keys, loaded
+    (from_dict checks them), but kept in the state they made every later step refuse it ("block_size=None
+    splits ... into other blocks than its state has"; a user's hunt, 2026-12-03). Loaded now as the state
+    without them: the same keys as the uninterrupted run's state, and its parameters bit for bit."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch, block_size=block_size)
+    _torch_train(torch, model, opt, [0, 1])
+    saved = copy.deepcopy(opt.state_dict())
+    for (i, state), p in zip(sorted(saved["state"].items()), [p for g in opt.param_groups for p in g["params"]]):
+        if "M" in state:  # the FISMO matrices: to_dict's whole dict, step count included
+            core = FISMOState.from_dict({**state, "block_size": state_block_size(
+                *p.shape, block_size)}, like=p.detach(), block_size=block_size).to_dict()
+            assert set(core) - set(state) == {"block_size", "fismo_state_format"}
+            saved["state"][i] = core
+    fresh, opt_f = _torch_setup(torch, block_size=block_size)
+    fresh.load_state_dict(model.state_dict())
+    opt_f.load_state_dict(saved)
+    _torch_train(torch, model, opt, [3, 4])
+    _torch_train(torch, fresh, opt_f, [3, 4])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    assert [set(opt.state[p]) for p in model.parameters()] == [set(opt_f.state[p]) for p in fresh.parameters()]
 
 
 def test_torch_checkpoint_from_before_adamw_groups_loads() -> None:
