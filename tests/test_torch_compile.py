@@ -598,6 +598,43 @@ def test_a_compiled_first_step_that_raises_keeps_the_initial_states_it_created()
     assert int(states["compiled"]["step"]) == 0 and not states["compiled"]["M"].any()
 
 
+def test_a_factorisation_that_raises_in_a_compiled_step_changes_nothing_and_the_eager_step_repairs_it():
+    """A documented limitation (torch.md, "A factorisation that raises"; a user's hunt, 2026-12-03): an ``eigh``
+    that raises ``LinAlgError`` (LAPACK does not converge; here ``P`` singular: ``gamma = 0``, ``mu = 1e-14``,
+    rank-1 gradients) is caught by the eager step, which retries it in float64 and falls back to the previous
+    root with a warning, but not inside a compiled graph, where it escapes as torch's error. The compiled step
+    has then changed nothing, so the documented way round, the same step taken eagerly on that error, gives
+    the eager run bit for bit."""
+    runs = {}
+    for mode in ("eager", "compiled"):
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 4, generator=gen))
+        opt = FISMO([w], lr=0.02)
+        step = torch.compile(opt.step, backend="aot_eager") if mode == "compiled" else opt.step
+        w.grad = torch.randn(4, 4, generator=gen)
+        step()
+        opt.param_groups[0]["gamma"], opt.param_groups[0]["mu"] = 0.0, 1e-14
+        raised = 0
+        for _ in range(3):
+            u = torch.randn(4, 1, generator=gen)
+            w.grad = (u @ u.T) * 1e3
+            before = (w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()})
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the InverseRootWarnings of the fallback
+                try:
+                    step()
+                except torch.linalg.LinAlgError:
+                    raised += 1
+                    assert torch.equal(before[0], w) and all(torch.equal(v, opt.state[w][k]) for k, v in before[1].items())
+                    opt.step()
+        runs[mode] = (raised, w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()})
+    assert runs["eager"][0] == 0 and runs["compiled"][0] == 3  # if compiled steps ever repair it, update torch.md
+    assert torch.equal(runs["eager"][1], runs["compiled"][1])
+    assert all(torch.equal(v, runs["compiled"][2][k]) for k, v in runs["eager"][2].items())
+    assert int(runs["eager"][2]["root_failures"]) > 0  # the eager fallback did run
+
+
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
 def test_inductor_compiled_steps_find_a_nan_gradient(nonfinite):
     """With inductor (the default backend) a NaN gradient passed the checks until 2026-12-02 (a user's hunt):
