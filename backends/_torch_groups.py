@@ -146,8 +146,15 @@ def _stored_as_checked(group: dict) -> bool:
             and all(_stored_coefficients(group[name]["coefficients"]) for name in ("polar", "inv_root"))
             and (type(group["beta"]) is float or isinstance(group["beta"], torch.Tensor))
             and 0.0 <= group["weight_decay"] < math.inf
-            and (lr.numel() == 1 if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr < math.inf)
+            and (_one_real_number(lr) if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr < math.inf)
             and group["adjust_lr_fn"] in ADJUST_LR_FNS)
+
+
+def _one_real_number(t: torch.Tensor) -> bool:
+    """Whether tensor ``t`` may hold a learning rate, read from its size and dtype alone (no host read): one
+    element, neither complex nor boolean (the constructor refuses those; written into a group later, a complex
+    lr stepped with torch's "discards the imaginary part" warning only, a user's hunt, 2026-12-03)."""
+    return t.numel() == 1 and not t.is_complex() and t.dtype != torch.bool
 
 
 def _stored_coefficients(coefficients: Any) -> bool:
@@ -382,6 +389,8 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
             )
         if group["lr"].numel() != 1:
             raise ValueError(f"{where}: a tensor AdamW lr must have one element, got shape {tuple(group['lr'].shape)}")
+        if not _one_real_number(group["lr"]):
+            raise ValueError(f"{where}: a tensor AdamW lr must be real, not {group['lr'].dtype}, got {group['lr']!r}")
     lr = scalar(group["lr"])
     if not 0.0 <= lr:
         raise ValueError(f"{where}: invalid AdamW lr {group['lr']!r}")
@@ -419,7 +428,7 @@ def _adamw_stored_as_checked(group: dict) -> bool:
     tensors without ``foreach``."""
     lr, betas = group["lr"], group["betas"]
     tensors_allowed = not group["foreach"]
-    return ((lr.numel() == 1 and tensors_allowed if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr)
+    return ((_one_real_number(lr) and tensors_allowed if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr)
             and all(_is_number(group[name]) and 0.0 <= group[name] for name in ("eps", "weight_decay"))
             and isinstance(betas, (tuple, list)) and len(betas) == 2
             and (all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)

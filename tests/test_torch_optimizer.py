@@ -422,6 +422,13 @@ def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_an
         (0, "lr", -1.0, ValueError, r"param group 0: lr must be a finite number >= 0, got -1\.0"),
         (0, "lr", math.nan, ValueError, r"param group 0: lr must be a finite number >= 0, got nan"),
         (0, "lr", torch.tensor([0.1, 0.2]), ValueError, r"param group 0: a tensor lr must have one element"),
+        # Stepped until 2026-12-03 (the constructor refused them; a user's hunt): the imaginary part dropped
+        # with torch's warning, an AdamW group's complex lr a raw TypeError, its boolean lr 1.
+        (0, "lr", torch.tensor(0.01 + 5j), ValueError, r"param group 0: lr must be a finite number >= 0, got "
+                                                       r"tensor\(0\.0100\+5\.j\)"),
+        (1, "lr", torch.tensor(0.01 + 5j), ValueError, r"param group 1: a tensor AdamW lr must be real, not "
+                                                       r"torch\.complex64"),
+        (1, "lr", torch.tensor(True), ValueError, r"param group 1: a tensor AdamW lr must be real, not torch\.bool"),
         (0, "adjust_lr_fn", "match_rms", ValueError, r"param group 0: adjust_lr_fn must be None, 'original' or"),
         (0, "algorithm", "sgd", ValueError, r"param group 0: algorithm 'sgd' set in a group added as 'fismo'"),
         (0, "algorithm", "adamw", ValueError, r"param group 0: algorithm 'adamw' set in a group added as 'fismo'"),
