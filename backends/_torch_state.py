@@ -198,7 +198,8 @@ def check_saved_keys(saved_state: dict, saved_groups: list) -> None:
     checkpoint that went through JSON has string keys ("0") in place of the parameters' indices.
     """
     indices = [index for group in saved_groups for index in group["params"]]
-    unknown = [key for key in saved_state if key not in set(indices)]
+    known = set(indices)
+    unknown = [key for key in saved_state if key not in known]
     if unknown:
         def listed(keys: list) -> str:
             return ", ".join(repr(key) for key in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
