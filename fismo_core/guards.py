@@ -179,13 +179,19 @@ def check_saved_finite(xp: Any, X: Array, key: str) -> None:
     (a tracer; torch's ``meta`` device: another rank's state, checked where
     its values are), no check.
     """
-    if getattr(_device(X), "type", None) == "meta" or _host_bool(all_finite(xp, X)) in (None, True):
+    if not has_values(X) or _host_bool(all_finite(xp, X)) in (None, True):
         return
     raise ValueError(
         f"state.{key} contains NaN or infinite values ({_nonfinite_counts(xp, X)}): the state is damaged (saved "
         "by a run that diverged, or edited), and a step would turn the parameters into NaN. Resume from an "
         "earlier checkpoint, or start a new state"
     )
+
+
+def has_values(X: Array) -> bool:
+    """Whether ``X``'s values can be read: not on torch's ``meta`` device, where a distributed checkpoint's
+    checks hold another rank's matrices by their shapes and dtypes alone (their owner reads the values)."""
+    return getattr(_device(X), "type", None) != "meta"
 
 
 def _nonfinite_counts(xp: Any, X: Array) -> str:

@@ -435,10 +435,8 @@ class FISMOState(NamedTuple):
                     f"state.{name} must be an integer array of shape {tuple(batch)} (the batch shape of "
                     f"{tuple(like.shape)}) or (), got {x.dtype} of shape {tuple(x.shape)}"
                 )
-            # Counts, kept as int32 (a narrower dtype is not compared with a bound it cannot hold). Values on
-            # torch's meta device cannot be read: a distributed checkpoint's check on the ranks that do not
-            # own the matrix (its owner reads them).
-            readable = getattr(_device(x), "type", None) != "meta"
+            # Counts, kept as int32 (a narrower dtype is not compared with a bound it cannot hold).
+            readable = guards.has_values(x)
             too_big = readable and xp.iinfo(x.dtype).max > _INT32_MAX and not bool(xp.all(x <= _INT32_MAX))
             if too_big or (readable and not bool(xp.all(x >= 0))):
                 raise ValueError(f"state.{name} counts must lie in 0..{_INT32_MAX}, got {x!r}")
