@@ -598,20 +598,22 @@ def test_a_compiled_first_step_that_raises_keeps_the_initial_states_it_created()
     assert int(states["compiled"]["step"]) == 0 and not states["compiled"]["M"].any()
 
 
-def test_a_factorisation_that_raises_in_a_compiled_step_changes_nothing_and_the_eager_step_repairs_it():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_factorisation_that_raises_in_a_compiled_step_changes_nothing_and_the_eager_step_repairs_it(backend):
     """A documented limitation (torch.md, "A factorisation that raises"; a user's hunt, 2026-12-03): an ``eigh``
     that raises ``LinAlgError`` (LAPACK does not converge; here ``P`` singular: ``gamma = 0``, ``mu = 1e-14``,
     rank-1 gradients) is caught by the eager step, which retries it in float64 and falls back to the previous
     root with a warning, but not inside a compiled graph, where it escapes as torch's error. The compiled step
-    has then changed nothing, so the documented way round, the same step taken eagerly on that error, gives
-    the eager run bit for bit."""
+    has then changed nothing (inductor too, which orders writes freely), so the documented way round, the same
+    step taken eagerly on that error, gives the eager run: bit for bit with ``aot_eager``; with inductor,
+    whose compiled first step rounds otherwise, within float32 rounding."""
     runs = {}
     for mode in ("eager", "compiled"):
         torch._dynamo.reset()
         gen = torch.Generator().manual_seed(0)
         w = torch.nn.Parameter(torch.randn(4, 4, generator=gen))
         opt = FISMO([w], lr=0.02)
-        step = torch.compile(opt.step, backend="aot_eager") if mode == "compiled" else opt.step
+        step = torch.compile(opt.step, backend=backend) if mode == "compiled" else opt.step
         w.grad = torch.randn(4, 4, generator=gen)
         step()
         opt.param_groups[0]["gamma"], opt.param_groups[0]["mu"] = 0.0, 1e-14
@@ -630,9 +632,12 @@ def test_a_factorisation_that_raises_in_a_compiled_step_changes_nothing_and_the_
                     opt.step()
         runs[mode] = (raised, w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()})
     assert runs["eager"][0] == 0 and runs["compiled"][0] == 3  # if compiled steps ever repair it, update torch.md
-    assert torch.equal(runs["eager"][1], runs["compiled"][1])
-    assert all(torch.equal(v, runs["compiled"][2][k]) for k, v in runs["eager"][2].items())
     assert int(runs["eager"][2]["root_failures"]) > 0  # the eager fallback did run
+    if backend == "aot_eager":
+        assert torch.equal(runs["eager"][1], runs["compiled"][1])
+        assert all(torch.equal(v, runs["compiled"][2][k]) for k, v in runs["eager"][2].items())
+    else:  # measured 3.3e-7 (|w| up to 2.1: about one float32 rounding of the largest entry); 1e-5 leaves 30x
+        torch.testing.assert_close(runs["compiled"][1], runs["eager"][1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
