@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Optional, TypeVar
 
 from array_api_compat import array_namespace, is_array_api_obj, is_array_api_strict_namespace, is_numpy_namespace
 
-from . import linalg
+from . import _autodiff, linalg
 from .kronecker import BlockDiagonalFactor, Structure, factor_structure, state_size
 from .linalg import Array, _device, _host_bool
 
@@ -533,11 +533,17 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, unit_roundoff:
     dtype: ``A`` singular at the precision it is stored in) gets a NaN
     residual, so it fails. A ``LinAlgError``
     of the batched call is retried matrix by matrix, so only the matrices
-    that fail are marked (their ``Z`` and residual are NaN).
+    that fail are marked (their ``Z`` and residual are NaN); in a compiled
+    torch step, which cannot catch it, the library's ``eigh`` is
+    `fismo_core._torch_eigh`'s, which does the same without raising.
     """
+    graph_eigh = _eigh_that_cannot_raise(root, A)
     try:
         with nan_is_the_answer(xp):  # a singular A's NaN root fails its check below
-            Z, w = root.root_and_eigenvalues(A)
+            if graph_eigh is None:
+                Z, w = root.root_and_eigenvalues(A)
+            else:  # root.root_and_eigenvalues(A) with that eigh: the same values where nothing fails
+                Z, w, _ = linalg._eigh_root_parts(A, eigh=graph_eigh)
     except Exception as exc:
         if not is_linalg_error(exc):
             raise
@@ -549,6 +555,19 @@ def _checked_root(xp: Any, root: Any, A: Array, tolerance: float, unit_roundoff:
         return Z, residual
     resolved = w[..., 0] > unit_roundoff * w[..., -1]
     return Z, xp.where(resolved, residual, xp.full_like(residual, math.nan))
+
+
+def _eigh_that_cannot_raise(root: Any, A: Array) -> Optional[Callable[[Array], Any]]:
+    """The ``eigh`` of `_checked_root` inside ``torch.compile``, where its ``LinAlgError`` cannot be caught:
+    ``torch.ops.fismo.eigh_nan_where_it_fails`` for ``root``'s own ``eigh`` method (not a subclass's root,
+    not where a derivative is taken); ``None`` elsewhere: the root as ``root`` computes it."""
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(A, torch.Tensor) or not torch.compiler.is_compiling()
+            or not root._is_library_eigh() or _autodiff.needs_derivative(A)):
+        return None
+    from . import _torch_eigh
+
+    return _torch_eigh.eigh_nan_where_it_fails
 
 
 def _roots_one_by_one(xp: Any, root: Any, A: Array) -> tuple[Array, Optional[Array]]:

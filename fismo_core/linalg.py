@@ -924,11 +924,14 @@ def _eigh_inverse_sqrt(A: Array, before_root: Optional[Callable[[Array], None]] 
     return root, w
 
 
-def _eigh_root_parts(A: Array, before_root: Optional[Callable[[Array], None]] = None) -> tuple[Array, Array, Array]:
+def _eigh_root_parts(
+    A: Array, before_root: Optional[Callable[[Array], None]] = None, eigh: Optional[Callable[[Array], Any]] = None
+) -> tuple[Array, Array, Array]:
     """``(A^{-1/2}, w, V)`` from ``A = V diag(w) V^T``: `_eigh_inverse_sqrt`'s values, and ``V`` for the
-    derivative; ``before_root(w)`` runs between the decomposition and the root."""
+    derivative; ``before_root(w)`` runs between the decomposition and the root. ``eigh``: the
+    decomposition, ``xp.linalg.eigh`` unless given (`fismo_core._torch_eigh` in a compiled checked step)."""
     xp = array_namespace(A)
-    w, V = xp.linalg.eigh(_exact_dtype(xp, A))
+    w, V = (eigh or xp.linalg.eigh)(_exact_dtype(xp, A))
     if before_root is not None:
         before_root(w)
     return _root_from_eigh(A, w, V), w, V

@@ -104,14 +104,6 @@ READER_HAS: dict[tuple[str, str], str] = {
         "tokens, steps = torch.randint(0, 16, (2, 5)), 3\n"
     ),
     ("docs/torch.md", "dcp.save("): "path = \"checkpoint\"  # in the session's temporary directory\n",
-    ("docs/torch.md", "compiled_step()"): (
-        "import torch\n"
-        "from fismo_core.backends.torch import FISMO\n"
-        "w = torch.nn.Parameter(torch.randn(4, 3))\n"
-        "w.grad = torch.randn(4, 3)\n"
-        "opt = FISMO([w], lr=0.02)\n"
-        "compiled_step = torch.compile(opt.step, backend='eager')\n"
-    ),
     ("docs/scaling.md", "opt = FISMO(param_groups(model), lr=0.02, block_size=768)"): _TORCH_MODEL,
     ("docs/guarantees.md", 'np.savez("opt.npz"'): (
         "import numpy as np\n"

@@ -24,6 +24,7 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from fismo_core.backends.torch import FISMO, param_groups  # noqa: E402
+from fismo_core import InverseRootWarning  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "asv_benchmarks"))  # the Performance page's OpCounter
 
@@ -599,14 +600,15 @@ def test_a_compiled_first_step_that_raises_keeps_the_initial_states_it_created()
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_factorisation_that_raises_in_a_compiled_step_changes_nothing_and_the_eager_step_repairs_it(backend):
-    """A documented limitation (torch.md, "A factorisation that raises"; a user's hunt, 2026-12-03): an ``eigh``
-    that raises ``LinAlgError`` (LAPACK does not converge; here ``P`` singular: ``gamma = 0``, ``mu = 1e-14``,
-    rank-1 gradients) is caught by the eager step, which retries it in float64 and falls back to the previous
-    root with a warning, but not inside a compiled graph, where it escapes as torch's error. The compiled step
-    has then changed nothing (inductor too, which orders writes freely), so the documented way round, the same
-    step taken eagerly on that error, gives the eager run: bit for bit with ``aot_eager``; with inductor,
-    whose compiled first step rounds otherwise, within float32 rounding."""
+def test_a_factorisation_that_raises_in_a_compiled_step_is_repaired_as_eagerly(backend):
+    """An ``eigh`` that raises ``LinAlgError`` (LAPACK does not converge; here on ``Q_t`` made NaN by line 5
+    from the NaN root of a ``P_t`` singular at float32: ``gamma = 0``, ``mu = 1e-14``, rank-1 gradients)
+    is caught by the eager step, which retries it in float64 and falls back
+    to the previous root with a warning. Until 2026-12-03 it escaped a compiled step as torch's error, naming
+    no parameter (a user's hunt). The graph's ``eigh`` (``fismo::eigh_nan_where_it_fails``) now gives NaN
+    there, so the compiled step's checks flag the root and repair it as eagerly: no error, the same warnings
+    and failure counts, the eager run bit for bit with ``aot_eager``; with inductor, whose compiled first
+    step rounds otherwise, within float32 rounding."""
     runs = {}
     for mode in ("eager", "compiled"):
         torch._dynamo.reset()
@@ -617,27 +619,53 @@ def test_a_factorisation_that_raises_in_a_compiled_step_changes_nothing_and_the_
         w.grad = torch.randn(4, 4, generator=gen)
         step()
         opt.param_groups[0]["gamma"], opt.param_groups[0]["mu"] = 0.0, 1e-14
-        raised = 0
+        warned = []
         for _ in range(3):
             u = torch.randn(4, 1, generator=gen)
             w.grad = (u @ u.T) * 1e3
-            before = (w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()})
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the InverseRootWarnings of the fallback
-                try:
-                    step()
-                except torch.linalg.LinAlgError:
-                    raised += 1
-                    assert torch.equal(before[0], w) and all(torch.equal(v, opt.state[w][k]) for k, v in before[1].items())
-                    opt.step()
-        runs[mode] = (raised, w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()})
-    assert runs["eager"][0] == 0 and runs["compiled"][0] == 3  # if compiled steps ever repair it, update torch.md
-    assert int(runs["eager"][2]["root_failures"]) > 0  # the eager fallback did run
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step()
+            warned.append(sorted(str(c.message)[:44] for c in caught if issubclass(c.category, InverseRootWarning)))
+        runs[mode] = (warned, w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()})
+    assert runs["compiled"][0] == runs["eager"][0] == [
+        ["FISMO: the inverse square root of P_t failed", "FISMO: the inverse square root of Q_t failed"]] * 3
+    assert int(runs["compiled"][2]["root_failures"]) == int(runs["eager"][2]["root_failures"]) == 3
     if backend == "aot_eager":
         assert torch.equal(runs["eager"][1], runs["compiled"][1])
         assert all(torch.equal(v, runs["compiled"][2][k]) for k, v in runs["eager"][2].items())
-    else:  # measured 3.3e-7 (|w| up to 2.1: about one float32 rounding of the largest entry); 1e-5 leaves 30x
+    else:  # measured 3.0e-7 (|w| up to 2.1: about one float32 rounding of the largest entry); 1e-5 leaves 30x
         torch.testing.assert_close(runs["compiled"][1], runs["eager"][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_graphs_eigh_gives_nan_where_lapack_fails_and_eighs_values_elsewhere(backend):
+    """``fismo::eigh_nan_where_it_fails``, compiled: ``torch.linalg.eigh``'s values bit for bit where the
+    batched call succeeds; where it raises (an all-NaN float32 matrix, as line 5 made ``Q_t`` above), the
+    other matrices as ``eigh`` gives each alone and NaN for the failing one. ``opcheck`` checks its
+    registration (schema, fake tensors' shapes and strides) on both paths; its comparison of compiled and
+    eager outputs, which counts NaN as unequal, on the first only."""
+    from fismo_core._torch_eigh import eigh_nan_where_it_fails
+
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(3, 5, 5, generator=gen)
+    good = X @ X.mT + torch.eye(5)
+    failing = good.clone()
+    failing[1] = float("nan")
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.eigh(failing)  # the case the operator exists for (LAPACK does not converge)
+    graph = torch.compile(lambda A: eigh_nan_where_it_fails(A), backend=backend, fullgraph=True)
+    w, V = graph(good)
+    w_eigh, V_eigh = torch.linalg.eigh(good)
+    assert torch.equal(w, w_eigh) and torch.equal(V, V_eigh)
+    w, V = graph(failing)
+    assert w[1].isnan().all() and V[1].isnan().all()
+    for i in (0, 2):
+        w_alone, V_alone = torch.linalg.eigh(failing[i])
+        assert torch.equal(w[i], w_alone) and torch.equal(V[i], V_alone)
+    assert all(v == "SUCCESS" for v in torch.library.opcheck(eigh_nan_where_it_fails, (good,)).values())
+    checks = torch.library.opcheck(eigh_nan_where_it_fails, (failing,), test_utils=("test_schema", "test_faketensor"))
+    assert checks == {"test_schema": "SUCCESS", "test_faketensor": "SUCCESS"}
 
 
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
