@@ -474,6 +474,7 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
             saved = saved_state.get(key)
             placement = placements.get(p)
             if not (saved and placement is not None and placement.distributed):
+                _refuse_placeholders(saved, p, param_name(group, i, gi))
                 continue
             whole = {}
             for k, v in saved.items():
@@ -491,6 +492,23 @@ def full_saved_state(param_groups: list, saved_state: dict, saved_groups: list, 
             full[key] = whole
             base[key] = whole if placement.owns else {k: v for k, v in whole.items() if k == "step"}
     return full, base
+
+
+def _refuse_placeholders(saved: Optional[dict], p: torch.Tensor, name: str) -> None:
+    """Refuse a saved state tensor on torch's ``meta`` device (a shape and dtype, no values) for a parameter
+    that has values: torch.optim's cast raised ``NotImplementedError: Cannot copy out of meta tensor``,
+    naming nothing (a user's hunt, 2026-12-03). Such a tensor comes from ``torch.load(...,
+    map_location="meta")`` or a state built on ``meta``; a parameter on ``meta`` (deferred initialisation)
+    takes it as torch.optim does."""
+    if not saved or not _guards.has_values(p):
+        return
+    empty = [k for k, v in saved.items() if isinstance(v, torch.Tensor) and not _guards.has_values(v)]
+    if empty:
+        raise ValueError(
+            f"{name}: its saved state {', '.join(map(repr, empty))} lies on the meta device (a shape and a dtype, "
+            f"no values), and the parameter on {p.device}: a checkpoint loaded with map_location='meta' cannot "
+            "resume a run. Load it onto a real device (map_location='cpu'); nothing was loaded"
+        )
 
 
 # ---------------------------------------------------------------- gradients

@@ -341,6 +341,10 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
          ValueError, r"state\.M contains NaN or infinite values \(0 NaN, 20 infinite of 20 entries\)"),
         (lambda torch, saved, other: _edit(saved, 1, "skipped", torch.zeros(2)), ValueError,
          r"state\.skipped must be an integer array of shape \(\)"),
+        # torch.optim's cast raised NotImplementedError: Cannot copy out of meta tensor (a user's hunt, 2026-12-03).
+        (lambda torch, saved, other: _edit(saved, 0, "M", torch.empty(4, 5, device="meta")), ValueError,
+         r"parameter 0 of param group 0 \(shape \(4, 5\)\): its saved state 'M' lies on the meta device .*"
+         r"map_location='meta'"),
         # Loaded by the base class until 2026-12-03, its parameters starting afresh; state_dict then raised
         # a raw TypeError sorting the keys (a user's hunt). Through JSON the keys become strings.
         (lambda torch, saved, other: {"state": {str(k): v for k, v in saved["state"].items()},
@@ -360,7 +364,7 @@ def _edit(saved: dict, param: int, key: str, value) -> dict:
          ValueError, r"param group 1 has algorithm 'adamw', but the checkpoint's group 1 has no algorithm "
                      r"\(not saved by FISMO\)"),
     ],
-    ids=["other-model", "missing-P", "integer-M", "nan-Q", "M-beyond-float32", "counter", "string-keys", "groups-swapped", "adamw-saved-as-fismo", "not-fismos"],
+    ids=["other-model", "missing-P", "integer-M", "nan-Q", "M-beyond-float32", "counter", "meta-M", "string-keys", "groups-swapped", "adamw-saved-as-fismo", "not-fismos"],
 )
 def test_torch_checkpoint_that_does_not_fit_is_refused(make, exc, match) -> None:
     """A checkpoint for other shapes, with a missing or malformed tensor, or with the groups in
