@@ -57,13 +57,21 @@ class TracedRootSchedule(_fismo.RootSchedule):
         return cls(due.to(device), due.any())
 
     def choose(self, fresh: Callable[[], tuple], kept: Callable[[], tuple]) -> tuple:
+        # Both branches lay their outputs out alike, as contiguous copies. (x.contiguous() kept a tensor
+        # with a dimension of size 1 as it was, whose stride there may differ: torch.cond then refused
+        # the branches' strides, for a 1 x n matrix with a blocked side; a user's hunt, 2026-12-03.)
         def some_due() -> tuple:
-            return tuple(x.contiguous() for x in _fismo.RootSchedule.choose(self, fresh, kept))
+            return tuple(_contiguous_copy(x) for x in _fismo.RootSchedule.choose(self, fresh, kept))
 
-        def none_due() -> tuple:  # both branches lay their outputs out alike: contiguous
-            return tuple(x.clone(memory_format=torch.contiguous_format) for x in kept())
+        def none_due() -> tuple:
+            return tuple(_contiguous_copy(x) for x in kept())
 
         return tuple(torch.cond(self.any_due, some_due, none_due, ()))
+
+
+def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` with the strides of a new contiguous tensor (``torch.cond``'s outputs may not alias its inputs)."""
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def warn_of_numpy_scalars(param_groups: list[dict]) -> None:
