@@ -249,6 +249,22 @@ def check_saved_state(param_groups: list, saved_state: dict, saved_groups: list)
             != _fismo.state_block_size(*_fismo.matrix_shape(p.shape), block_size)
             for p in group["params"]
         ):
+            if _states_fit(saved_state, saved_group, group, block_size):
+                raise ValueError(
+                    f"param group {gi} has block_size={block_size!r}, and the checkpoint's states of that group "
+                    f"have its blocks, but its group {gi} says block_size={saved_block_size!r}: the block_size was "
+                    "changed after the last step, before the checkpoint was saved (that run's next step refused "
+                    f"it too). Set the checkpoint's param_groups[{gi}]['block_size'] = {block_size!r} before "
+                    "loading (a load_state_dict pre-hook can), or start a new state"
+                )
+            if not _states_fit(saved_state, saved_group, group, saved_block_size, if_none=True):
+                raise ValueError(
+                    f"param group {gi} has block_size={block_size!r}, and the checkpoint's group {gi} says "
+                    f"block_size={saved_block_size!r}, but its states have the blocks of neither: the block_size "
+                    "was changed after the last step, before the checkpoint was saved. Set the checkpoint's "
+                    f"param_groups[{gi}]['block_size'] to the one its states were made with before loading (a "
+                    "load_state_dict pre-hook can), or start a new state"
+                )
             raise ValueError(
                 f"param group {gi} has block_size={block_size!r}, but the checkpoint's group {gi} was saved with "
                 f"block_size={saved_block_size!r}, and the two split the group's matrices into different blocks: "
@@ -327,6 +343,20 @@ def _check_adamw_saved_state(saved: dict, p: torch.Tensor, name: str, saved_grou
                 "in. To change layouts (one process, DDP, FSDP2, tensor parallelism) save and load with "
                 "torch.distributed.checkpoint (get_state_dict / set_state_dict, see docs/torch.md)"
             )
+
+
+def _states_fit(
+    saved_state: dict, saved_group: dict, group: dict, block_size: Optional[int], if_none: bool = False
+) -> bool:
+    """Whether each saved state of the group has the blocks of ``block_size``: the shapes of its factors
+    (`state_layout`; a missing key is `_check_through_core`'s to refuse); ``if_none`` where the group has
+    no saved state."""
+    states = [(saved, p) for index, p in zip(saved_group["params"], group["params"]) if (saved := saved_state.get(index))]
+    return all(
+        all(not isinstance(saved.get(key), torch.Tensor) or tuple(saved[key].shape) == shape for key, shape in
+            _fismo.state_layout(*_fismo.matrix_shape(p.shape), block_size).items())
+        for saved, p in states
+    ) if states else if_none
 
 
 def _check_through_core(saved: dict, p: torch.Tensor, block_size: Optional[int], name: str) -> None:

@@ -502,6 +502,41 @@ def test_torch_checkpoint_with_another_block_size_is_refused(saved_with, load_wi
     assert _same(torch, before, _snapshot(torch, other))
 
 
+@pytest.mark.parametrize("load_with", [3, None], ids=["the-states-blocks", "neither"])
+def test_torch_checkpoint_saved_after_a_block_size_change_says_so(load_with) -> None:
+    """A state_dict taken after ``block_size`` was changed and before the next step (which refuses the change)
+    names the new value in its group but holds states of the old blocks. Until 2026-12-03 loading it with the
+    old value said "Resume with block_size=4", which then failed on the states' shapes (a user's hunt). Now
+    the refusal says what happened and how to load it, and following its advice (a pre-hook setting the
+    checkpoint's block_size back) loads the run, which goes on as the uninterrupted one."""
+    torch = pytest.importorskip("torch")
+    model, opt = _torch_setup(torch, block_size=3)  # (4, 5): P 3 + 1, Q 3 + 2; block_size=4 splits Q as 4 + 1
+    _torch_train(torch, model, opt, range(2))
+    opt.param_groups[0]["block_size"] = 4
+    saved = opt.state_dict()
+    other_model, other = _torch_setup(torch, block_size=load_with)
+    before = _snapshot(torch, other)
+    told = (r"has block_size=3, and the checkpoint's states of that group have its blocks, but its group 0 says "
+            r"block_size=4: the block_size was changed after the last step.*param_groups\[0\]\['block_size'\] = 3"
+            if load_with == 3 else
+            r"has block_size=None, and the checkpoint's group 0 says block_size=4, but its states have the blocks "
+            r"of neither")
+    with pytest.raises(ValueError, match=told):
+        other.load_state_dict(saved)
+    assert _same(torch, before, _snapshot(torch, other))
+    if load_with == 3:
+        other_model.load_state_dict(model.state_dict())
+        opt.param_groups[0]["block_size"] = 3
+        other.register_load_state_dict_pre_hook(
+            lambda optimizer, state_dict: {**state_dict, "param_groups": [
+                {**state_dict["param_groups"][0], "block_size": 3}, *state_dict["param_groups"][1:]]})
+        other.load_state_dict(copy.deepcopy(saved))
+        _torch_train(torch, model, opt, [2, 3])
+        _torch_train(torch, other_model, other, [2, 3])
+        for a, b in zip(model.parameters(), other_model.parameters()):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("saved_with, load_with", [(None, 512), (512, 5), (5, None)])
 def test_torch_checkpoint_with_a_block_size_that_splits_nothing_differently_loads(saved_with, load_with) -> None:
     """``block_size`` at or above both sides of every matrix is the full factor, bit for bit: a checkpoint
