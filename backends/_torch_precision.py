@@ -35,13 +35,15 @@ def bfloat16_is_native(device: Union[torch.device, str]) -> bool:
 
     A CUDA GPU of compute capability 8.0 or later (Ampere on; on ROCm, what
     ``torch.cuda.is_bf16_supported(including_emulation=False)`` says); a CPU
-    whose torch kernels are its AVX-512 ones
-    (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY``
-    lowers) with AVX512-BF16 or AMX-BF16 instructions, oneDNN enabled and not
-    limited below ``AVX512_CORE_BF16`` (``ONEDNN_MAX_CPU_ISA``). Elsewhere
-    bfloat16 is emulated, at several times float32's cost (measured on the
-    documentation page "Performance", "bfloat16 where it is native"). ARM
-    CPUs with BF16 and other devices are answered ``False``: untested.
+    with AVX512-BF16 or AMX-BF16 instructions, oneDNN enabled and not
+    limited below ``AVX512_CORE_BF16`` (``ONEDNN_MAX_CPU_ISA``): torch sends
+    bfloat16 products to oneDNN by the CPU's own features, whatever its
+    elementwise kernels are (``ATEN_CPU_CAPABILITY=avx2`` alone leaves them
+    at 0.25 times float32's time; until 2026-12-03 this rule answered
+    ``False`` there). Elsewhere bfloat16 is emulated, at several times
+    float32's cost (measured on the documentation page "Performance",
+    "bfloat16 where it is native"). ARM CPUs with BF16 and other devices
+    are answered ``False``: untested.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -57,8 +59,6 @@ def bfloat16_is_native(device: Union[torch.device, str]) -> bool:
     if limit is not None and limit[1].upper() in _ONEDNN_ISAS_WITHOUT_BF16:
         return False
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return False
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return False
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if capabilities is not None:

@@ -112,7 +112,9 @@ _ADAMW_KEYWORD = (
 def _listed_with_devices(params: Any) -> tuple[Any, set]:
     """``params`` with every iterable read into a list (a generator can be read once only) and the
     devices of its tensors; what is not a tensor, a ``(name, tensor)`` pair or a group is left for
-    the constructor to refuse."""
+    the constructor to refuse, as is a group's ``params`` given as a ``set``, which torch.optim refuses
+    (unordered: a checkpoint's states are matched by position); read into a list, it was accepted in an
+    order that changes between runs (a user's hunt, 2026-12-03)."""
     if isinstance(params, (torch.Tensor, dict)):
         return params, set()
 
@@ -122,7 +124,8 @@ def _listed_with_devices(params: Any) -> tuple[Any, set]:
     listed: list[Any] = []
     devices: set[torch.device] = set()
     for item in params:
-        if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
+        if isinstance(item, dict) and "params" in item and not isinstance(
+                item["params"], (torch.Tensor, set, frozenset)):
             item = {**item, "params": list(item["params"])}
         members = item.get("params", []) if isinstance(item, dict) else [item]
         members = [members] if isinstance(members, torch.Tensor) else members

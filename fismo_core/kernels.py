@@ -72,13 +72,16 @@ class KernelSet:
 
 KERNEL_SETS: tuple[KernelSet, ...] = (
     KernelSet("native"),
-    KernelSet("haswell-avx2", {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
+    KernelSet("haswell-avx2", {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+                               "ONEDNN_MAX_CPU_ISA": "AVX2"},
               ("avx2", "fma"), "AVX2"),
     KernelSet("skylakex-avx512",
-              {"OPENBLAS_CORETYPE": "SkylakeX", "ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"},
+              {"OPENBLAS_CORETYPE": "SkylakeX", "ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
               ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"), "AVX512"),
     KernelSet("sandybridge-default",
-              {"OPENBLAS_CORETYPE": "Sandybridge", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
+              {"OPENBLAS_CORETYPE": "Sandybridge", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+               "ONEDNN_MAX_CPU_ISA": "AVX"},
               ("avx",), "AVX"),
 )
 """The kernel sets the tests and ``.ci/run`` know: the CPU's own, and three forced ones.
@@ -87,7 +90,10 @@ KERNEL_SETS: tuple[KernelSet, ...] = (
 most x86-64 machines use today (AVX2, as on most AMD and older Intel CPUs,
 and AVX-512); ``sandybridge-default`` is the oldest (AVX OpenBLAS kernels,
 torch's portable kernels with no SIMD, MKL's compatible code path),
-which rounds most differently."""
+which rounds most differently. Each limits oneDNN to its CPU's instructions
+too (``ONEDNN_MAX_CPU_ISA``; Skylake-X has no bfloat16 dot products): torch's
+bfloat16 products and convolutions are oneDNN's, which ``ATEN_CPU_CAPABILITY``
+does not limit."""
 
 
 def cpu_flags() -> frozenset[str]:

@@ -616,15 +616,16 @@ def test_digest_key_names_the_kernels_that_made_the_numbers() -> None:
     """The digest's key changes with torch's CPU kernels, the one thing in it that differs between CPUs.
 
     Forced in a fresh process (torch reads ``ATEN_CPU_CAPABILITY`` at import):
-    the key names the capability torch really uses and the variable that forced it.
+    the key names the capability torch really uses and the variables that forced it.
     """
     key = subprocess.run(
         [sys.executable, "-c", "from fismo_core.demo.report import digest_key; print(digest_key())"],
-        env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}, capture_output=True, text=True, check=True,
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX"},
+        capture_output=True, text=True, check=True,
     ).stdout.strip()
-    # DEFAULT kernels have no bfloat16 instructions, so FISMO-T computes in float32 (bfloat16_is_native).
-    assert ("torch " + torch.__version__ + " (DEFAULT kernels, bfloat16 emulated, forced by ATEN_CPU_CAPABILITY=default"
-            in key), key
+    # oneDNN limited to AVX has no bfloat16 dot products, so FISMO-T computes in float32 (bfloat16_is_native).
+    assert ("torch " + torch.__version__ + " (DEFAULT kernels, bfloat16 emulated, forced by ATEN_CPU_CAPABILITY=default "
+            "ONEDNN_MAX_CPU_ISA=AVX" in key), key
     assert key != digest_key() or os.environ.get("ATEN_CPU_CAPABILITY") == "default"
     for part in ("fismo ", "Python ", "scikit-learn "):
         assert part in key

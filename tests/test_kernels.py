@@ -42,9 +42,9 @@ def test_the_registry_names_the_two_sets_ci_must_run() -> None:
     assert by_name["native"].env == {} and by_name["native"].xla_isa is None
     # the two sets (OpenBLAS and torch's own kernels), with MKL (torch's matmul and eigh) to match
     assert by_name["haswell-avx2"].env == {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2",
-                                          "MKL_CBWR": "AVX2"}
+                                          "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert by_name["skylakex-avx512"].env == {"OPENBLAS_CORETYPE": "SkylakeX", "ATEN_CPU_CAPABILITY": "avx512",
-                                             "MKL_CBWR": "AVX512"}
+                                             "MKL_CBWR": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
     assert len({ks.name for ks in KERNEL_SETS}) == len(KERNEL_SETS)
 
 
