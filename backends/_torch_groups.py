@@ -79,6 +79,24 @@ def _is_number(x: Any) -> bool:
     return type(x) in (int, float)
 
 
+#: How far below 0 a scheduled lr may round and still count as 0: 4 float64 roundings of the scheduler's
+#: base lr (``initial_lr``). ``LinearLR(end_factor=0)`` ends at -0.47 of one at most (measured over 1440 of
+#: its schedules that end below 0: start factors 0.001 to 1, 1 to 10**4 steps, base lrs 3e-4 to 1; 2026-12-03).
+_SCHEDULED_LR_ROUNDING = 4 * sys.float_info.epsilon
+
+
+def lr_is_negative(lr: float, group: dict) -> bool:
+    """Whether ``lr`` is below 0 by more than a scheduler's rounding of 0: ``-lr`` beyond
+    ``_SCHEDULED_LR_ROUNDING`` times the group's ``initial_lr`` (set by every ``LRScheduler``; none, no
+    allowance). torch.optim checks ``lr`` in its constructor only, and its optimizers take the tiny
+    negative lr ``LinearLR(end_factor=0.0)`` rounds to at its last step; FISMO refused it, and training
+    stopped there (a user's hunt, 2026-12-03)."""
+    initial = group.get("initial_lr")
+    allowance = (_SCHEDULED_LR_ROUNDING * abs(float(initial))
+                 if isinstance(initial, (numbers.Real, torch.Tensor)) and not isinstance(initial, bool) else 0.0)
+    return lr < -allowance
+
+
 def scalar_dtype() -> torch.dtype:
     """The dtype of AdamW's step counter, as ``torch.optim.AdamW`` chooses it."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -342,7 +360,7 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         if lr.numel() != 1:
             raise ValueError(f"{prefix}a tensor lr must have one element")
         lr = lr.item()
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr < 0:
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr_is_negative(float(lr), hp):
         raise ValueError(f"{prefix}lr must be a finite number >= 0, got {hp['lr']!r}")
     if not isinstance(hp["lr"], torch.Tensor) and not _is_number(hp["lr"]):
         # A NumPy scalar (np.float32, np.float64, ...) is stored as a Python float: a state_dict holding it
@@ -392,7 +410,7 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
         if not _one_real_number(group["lr"]):
             raise ValueError(f"{where}: a tensor AdamW lr must be real, not {group['lr'].dtype}, got {group['lr']!r}")
     lr = scalar(group["lr"])
-    if not 0.0 <= lr:
+    if math.isnan(lr) or lr_is_negative(lr, group):
         raise ValueError(f"{where}: invalid AdamW lr {group['lr']!r}")
     if not 0.0 <= group["eps"]:
         raise ValueError(f"{where}: invalid AdamW eps {group['eps']!r}")

@@ -1565,6 +1565,72 @@ def test_lr_schedulers_drive_the_step(name, block_size):
             torch.optim.lr_scheduler.OneCycleLR(FISMO([W]), max_lr=0.1, total_steps=9)
 
 
+def test_a_schedule_that_rounds_to_a_tiny_negative_lr_goes_on_and_a_negative_lr_is_still_refused():
+    """``LinearLR(start_factor=0.1, end_factor=0.0)`` ends at -1.1e-19 (its recurrence rounds), which
+    ``torch.optim`` optimizers take (they check lr in the constructor only) and FISMO refused, in FISMO and
+    AdamW groups, stopping training at the schedule's end (a user's hunt, 2026-12-03). A negative lr within
+    4 float64 roundings of the scheduler's ``initial_lr`` is taken (the step moves nothing beyond that
+    rounding); beyond it, or without a scheduler, a negative lr is refused as before."""
+    gen = torch.Generator().manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(5, 7, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw", "lr": 0.001}], lr=0.02)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, end_factor=0.0, total_iters=4)
+    for _ in range(6):
+        W.grad, b.grad = torch.randn(5, 7, generator=gen), torch.randn(5, generator=gen)
+        opt.step()
+        sched.step()
+    lrs = [g["lr"] for g in opt.param_groups]
+    assert all(-1e-18 < lr < 0 for lr in lrs), lrs  # the case: a negative lr from rounding
+    before = (W.detach().clone(), b.detach().clone())
+    W.grad, b.grad = torch.randn(5, 7, generator=gen), torch.randn(5, generator=gen)
+    opt.step()
+    torch.testing.assert_close(W, before[0], rtol=0, atol=1e-17)  # lr' |dW| is below 1e-17
+    torch.testing.assert_close(b, before[1], rtol=0, atol=1e-17)
+    for group, message in ((0, "lr must be a finite number >= 0"), (1, "invalid AdamW lr")):
+        opt.param_groups[group]["lr"] = -1e-6
+        with pytest.raises(ValueError, match=rf"param group {group}: {message}"):
+            opt.step()
+        opt.param_groups[group]["lr"] = lrs[group]
+    bare = FISMO([torch.nn.Parameter(torch.ones(4, 3))], lr=0.02)
+    bare.param_groups[0]["lr"] = lrs[0]  # no scheduler, no initial_lr: no allowance
+    bare.param_groups[0]["params"][0].grad = torch.ones(4, 3)
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+        bare.step()
+
+
+def test_grad_scaler_skips_the_step_of_an_infinite_gradient_and_otherwise_changes_nothing():
+    """``torch.amp.GradScaler`` as torch.md says: on an infinite gradient ``scaler.step(opt)`` does not call
+    ``opt.step()`` (FISMO changes nothing, counts no skip, raises nothing under ``"raise"``), and with finite
+    gradients the scaled run equals the unscaled one bit for bit (a power-of-two scale, undone exactly by
+    ``unscale_``)."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(5, 7, generator=gen)
+    grads = [torch.randn(5, 7, generator=gen) for _ in range(3)]
+    runs = []
+    for scaled in (True, False):
+        W = torch.nn.Parameter(start.clone())
+        opt = FISMO([W], lr=0.02)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaled else None
+        for t, G in enumerate(grads):
+            x = torch.full((5, 7), math.inf) if (scaled and t == 1) else G
+            loss = (W * x).sum()
+            (scaler.scale(loss) if scaled else loss).backward()
+            if scaled:
+                before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
+                scaler.step(opt)
+                scaler.update()
+                if t == 1:
+                    assert torch.equal(W, before[0])
+                    assert all(torch.equal(v, opt.state[W][k]) for k, v in before[1].items())
+                    assert scaler.get_scale() == 2.0 ** 9
+            elif t != 1:
+                opt.step()
+            W.grad = None
+        runs.append((W.detach().clone(), int(opt.state[W]["step"]), int(opt.state[W]["skipped"])))
+    assert runs[0][1:] == runs[1][1:] == (2, 0)
+    assert torch.equal(runs[0][0], runs[1][0])
+
+
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_torch_compile_of_a_training_step():
     """``torch.compile`` (aot_eager) of a step that calls ``optimizer.step()`` runs, compiles, and matches eager.
