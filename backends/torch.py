@@ -91,6 +91,7 @@ from ._torch_state import (
     raise_nonfinite,
     read_step_faults,
     restore_saved_state,
+    state_dtype,
     unpack,
 )
 
@@ -498,6 +499,8 @@ class FISMO(Optimizer):
         check_group_settings(self.param_groups)
         check_each_param_once(self.param_groups)
         check_states_fit(self.param_groups, self.state)
+        if not torch.compiler.is_compiling():  # compiled, a float lr is a graph input: line 9 makes inf
+            self._check_step_sizes()
         checks = check_grads(self.param_groups, self.process_group)
         for group in self.param_groups:  # a block_size that splits a state otherwise: refused by that name first
             if group["algorithm"] == "fismo":
@@ -953,6 +956,26 @@ class FISMO(Optimizer):
         for p in params:
             validate_matrix_param(p, self._label(p, shape=False))  # its messages state the shape
             _guards.check_factor_size(*_fismo.matrix_shape(p.shape), block_size, self._label(p))
+
+    def _check_step_sizes(self) -> None:
+        """Refuse a float ``lr`` whose step size (`adjusted_lr`) is beyond the largest number of a matrix's
+        state dtype, before anything changes: line 9's ``add_`` could not convert it and raised torch's
+        "value cannot be converted to type float without overflow" after the groups before had stepped
+        (a user's hunt). A tensor ``lr`` is not read (no host read): it makes the step infinite."""
+        for gi, group in enumerate(self.param_groups):
+            if group["algorithm"] != "fismo" or isinstance(group["lr"], torch.Tensor):
+                continue
+            for i, p in enumerate(group["params"]):
+                if p.grad is None or p.ndim < 2 or p.numel() == 0:  # not a matrix: refused by name later
+                    continue
+                rate = adjusted_lr(group["lr"], group["adjust_lr_fn"], *_fismo.matrix_shape(p.shape))
+                largest = torch.finfo(state_dtype(p.dtype)).max
+                if abs(rate) > largest:
+                    raise ValueError(
+                        f"{param_name(group, i, gi)}: lr={group['lr']!r} (adjust_lr_fn={group['adjust_lr_fn']!r}) "
+                        f"makes its step size {rate:.3g}, beyond the largest {state_dtype(p.dtype)} "
+                        f"({largest:.3g}) its update is computed in; nothing was stepped"
+                    )
 
     def _label(self, p: torch.Tensor, *, shape: bool = True) -> str:
         """How error messages name parameter ``p`` (`param_name`)."""

@@ -1598,6 +1598,27 @@ def test_a_schedule_that_rounds_to_a_tiny_negative_lr_goes_on_and_a_negative_lr_
         bare.step()
 
 
+@pytest.mark.parametrize("dtype, lr", [(torch.float32, 1e300), (torch.float16, 1e39), (torch.float64, 1e299)])
+def test_a_step_size_beyond_the_state_dtype_is_refused_before_anything_changes(dtype, lr):
+    """A finite lr whose step size line 9's ``add_`` cannot convert to the state dtype (float32 for float32 and
+    float16 parameters) raised torch's overflow error after the groups before it had stepped (a user's hunt).
+    Refused first, naming the parameter; a float64 parameter takes what a float64 holds."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(3, 3, generator=gen, dtype=dtype))
+    b = torch.nn.Parameter(torch.randn(4, 3, generator=gen, dtype=dtype))
+    opt = FISMO([{"params": [a]}, {"params": [b], "lr": lr}], lr=0.02)
+    a.grad, b.grad = torch.randn(3, 3, generator=gen, dtype=dtype), torch.randn(4, 3, generator=gen, dtype=dtype)
+    before = (a.detach().clone(), b.detach().clone())
+    if dtype == torch.float64:
+        opt.step()  # a step size of 1e299 is a float64: taken, as before
+        assert torch.isfinite(b).all() and not torch.equal(b, before[1])
+        return
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 \(shape \(4, 3\)\): lr=1e\+(300|39) .*"
+                                         r"beyond the largest torch\.float32 \(3\.4e\+38\).*nothing was stepped"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1]) and not opt.state[a] and not opt.state[b]
+
+
 def test_grad_scaler_skips_the_step_of_an_infinite_gradient_and_otherwise_changes_nothing():
     """``torch.amp.GradScaler`` as torch.md says: on an infinite gradient ``scaler.step(opt)`` does not call
     ``opt.step()`` (FISMO changes nothing, counts no skip, raises nothing under ``"raise"``), and with finite
