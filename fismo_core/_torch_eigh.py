@@ -1,8 +1,8 @@
 """``eigh`` for a compiled torch step whose inverse roots are checked: NaN where LAPACK fails, not an error.
 
 Eagerly, `fismo_core.guards._checked_root` catches an ``eigh`` that raises
-``torch.linalg.LinAlgError`` (LAPACK does not converge: a factor singular at
-its precision) and marks that matrix's root failed, so that the float64 retry
+``torch.linalg.LinAlgError`` (LAPACK does not converge, as on a matrix of
+NaN, which line 5 makes of ``Q_t`` from the NaN root of a singular ``P_t``) and marks that matrix's root failed, so that the float64 retry
 and the fallback repair it. Inside a ``torch.compile`` graph nothing can
 catch it: it escaped the compiled step as torch's error, naming no
 parameter. This operator is that ``eigh`` as one opaque graph node: the
