@@ -449,8 +449,9 @@ def scale_by_fismo(
     Every leaf must have ``ndim >= 2``; use :func:`fismo` for a whole model.
     The arguments are `fismo`'s (``None``: the core's ``polar`` and
     ``inv_root``, `default_matrix_shape`).
-    Directions have the gradient's dtype (the state is float32 for bf16/fp16
-    leaves, as in the core). ``block_size`` is the core's: a side longer than
+    Directions have the params' dtype when ``update`` is given the params (the
+    core rounds ``dW`` once to ``W``'s dtype), else the gradient's; the state
+    is float32 for bf16/fp16 leaves, as in the core. ``block_size`` is the core's: a side longer than
     it keeps only its diagonal blocks (a [`Blocks`][fismo_core.kronecker.Blocks]
     in the leaf's state, a pytree like the rest).
 
@@ -589,8 +590,12 @@ def scale_by_fismo(
                 if hasattr(W, "dtype") and s.M.dtype in (jnp.float32, jnp.float64):
                     # canonical: NumPy float64 params are float32 in JAX without x64, and so is their state
                     _fismo.check_state_dtype(jnp, s, jax.dtypes.canonicalize_dtype(W.dtype))
+                dtype = _direction_dtype(g, W)
                 with _named_root_warnings(f"leaf {jax.tree_util.keystr(path)}"):
-                    d, s = leaf_update(g, s)
+                    # A narrower gradient is widened first, exactly (the core casts G to the state's dtype
+                    # anyway), so that the direction is rounded once, to W's dtype, as the core rounds dW.
+                    d, s = leaf_update(g.astype(dtype) if _is_wider(dtype, g.dtype) else g, s)
+                d = d.astype(dtype)
             except InverseRootError as exc:
                 raise InverseRootError(f"leaf {jax.tree_util.keystr(path)}: {exc}", exc.indices) from exc
             except (ValueError, TypeError) as exc:
@@ -603,6 +608,21 @@ def scale_by_fismo(
         return treedef.unflatten(directions), ScaleByFismoState(treedef.unflatten(new_states))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _direction_dtype(g: Any, W: Any) -> Any:
+    """The dtype of a leaf's direction: its parameter's, where ``update`` is given the params (the core
+    rounds ``dW`` once to ``W``'s dtype: float32 params with bfloat16 gradients get float32 directions, as
+    ``optax.adamw`` gives float32 updates), else the gradient's. (Until 2026-12-03 it was always the
+    gradient's: such directions were rounded to bfloat16, 2e-3 of the change of W off the core's step.)"""
+    if hasattr(W, "dtype") and jnp.issubdtype(W.dtype, jnp.floating) and jnp.issubdtype(g.dtype, jnp.floating):
+        return jax.dtypes.canonicalize_dtype(W.dtype)  # NumPy float64 params are float32 without x64
+    return g.dtype
+
+
+def _is_wider(dtype: Any, than: Any) -> bool:
+    """Whether floating ``dtype`` has more bits than ``than`` (another floating dtype, or the same one)."""
+    return dtype != than and jnp.finfo(dtype).bits > jnp.finfo(than).bits
 
 
 def _as_jax(x: Any) -> Any:
