@@ -34,7 +34,9 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 import zipfile
 import zlib
@@ -99,8 +101,10 @@ VerifyResult = Result
 """The outcome of one target (a `fismo_core.testing.Result`; ``where`` is ``"stream step t: line"``)."""
 
 FORMAT_NAME = "fismo-verify-reference"
-FORMAT_VERSION = 1
-"""The reference file format this version writes and reads."""
+FORMAT_VERSION = 2
+"""The reference file format this version writes. It reads version 1 too, whose checksum covers the
+arrays only (an edited configuration loaded, and every target failed against it; until 2026-12-03)."""
+READABLE_VERSIONS = (1, 2)
 
 
 # ------------------------------------------------------------------ streams
@@ -301,7 +305,8 @@ def optimizer_from_config(config: Mapping[str, Any]) -> FISMO:
     return optimizer
 
 
-def _checksum(arrays: Mapping[str, Any]) -> str:
+def _checksum(arrays: Mapping[str, Any], described: Optional[Mapping[str, Any]] = None) -> str:
+    """The reference's ``"sha256:..."``: of its arrays and (format 2) of what the manifest says they are."""
     import numpy as np
 
     h = hashlib.sha256()
@@ -309,18 +314,24 @@ def _checksum(arrays: Mapping[str, Any]) -> str:
         a = np.ascontiguousarray(arrays[key], dtype="<f8")
         h.update(f"{key}|{a.shape}|".encode())
         h.update(a.tobytes())
+    if described is not None:
+        h.update(b"manifest|" + json.dumps(described, sort_keys=True).encode())
     return "sha256:" + h.hexdigest()
+
+
+#: The manifest's entries that say what the arrays are, inside the checksum from format 2 on.
+DESCRIBING = ("config", "steps", "seed", "quantities", "streams")
 
 
 @dataclass
 class Reference:
     """The NumPy float64 reference: the streams (inputs) and every step's `LINES` (outputs).
 
-    **File format** (version 1): a NumPy ``.npz`` archive (a zip of ``.npy``
+    **File format** (version 2): a NumPy ``.npz`` archive (a zip of ``.npy``
     arrays) with
 
     - ``manifest``: a 0-d string array holding JSON: ``format``
-      (``"fismo-verify-reference"``), ``format_version`` (1),
+      (``"fismo-verify-reference"``), ``format_version`` (2),
       ``library_version`` (the ``fismo`` that wrote it), ``numpy``,
       ``config`` (the `FISMO` options, ``dataclasses.asdict``), ``steps`` and
       ``seed`` (of the Gaussian streams), ``quantities`` (`LINES`' keys, in
@@ -333,7 +344,9 @@ class Reference:
 
     ``checksum`` is ``"sha256:"`` and the SHA-256 of, for every array but
     the manifest in sorted key order, ``f"{key}|{shape}|"`` (UTF-8) followed
-    by its little-endian float64 bytes.
+    by its little-endian float64 bytes, and then of ``"manifest|"`` and the
+    JSON (keys sorted) of the manifest's `DESCRIBING` entries. Version 1
+    files (read too) have the arrays' part only.
     """
 
     config: dict[str, Any]
@@ -342,6 +355,7 @@ class Reference:
     streams: list[Stream]
     outputs: dict[str, dict[str, Any]]
     library_version: str = __version__
+    format_version: int = FORMAT_VERSION  # of the file it was loaded from: 1 has the arrays' checksum only
 
     @classmethod
     def compute(cls, optimizer: FISMO, streams: Sequence[Stream], *, steps: int, seed: int) -> "Reference":
@@ -360,8 +374,21 @@ class Reference:
 
     @property
     def checksum(self) -> str:
-        """``"sha256:..."`` of the arrays, as in the file's manifest."""
-        return _checksum(self._arrays())
+        """``"sha256:..."`` of the arrays and what they are, as in the file's manifest."""
+        return _checksum(self._arrays(), None if self.format_version == 1 else self._described())
+
+    def _described(self) -> dict[str, Any]:
+        """The manifest's `DESCRIBING` entries."""
+        return {
+            "config": self.config,
+            "steps": self.steps,
+            "seed": self.seed,
+            "quantities": list(QUANTITIES),
+            "streams": [
+                {"name": s.name, "shape": list(s.shape), "steps": s.steps, "description": s.description}
+                for s in self.streams
+            ],
+        }
 
     def _arrays(self) -> dict[str, Any]:
         arrays = {}
@@ -376,25 +403,29 @@ class Reference:
         """Write the reference file; return its checksum."""
         import numpy as np
 
-        arrays = self._arrays()
-        checksum = _checksum(arrays)
+        arrays, described = self._arrays(), self._described()
+        checksum = _checksum(arrays, described)
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "library_version": self.library_version,
             "numpy": np.__version__,
-            "config": self.config,
-            "steps": self.steps,
-            "seed": self.seed,
-            "quantities": list(QUANTITIES),
-            "streams": [
-                {"name": s.name, "shape": list(s.shape), "steps": s.steps, "description": s.description}
-                for s in self.streams
-            ],
+            **described,
             "checksum": checksum,
         }
-        with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name without it
-            np.savez_compressed(f, manifest=np.array(json.dumps(manifest)), **arrays)
+        # Written beside it and renamed over it: a write that fails (a full disk, Ctrl-C) leaves the file that
+        # was there, not a truncated one (until 2026-12-03 it truncated a good reference).
+        path = Path(path)
+        with tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", suffix=".part",
+                                         delete=False) as f:  # a file object: np.savez would append ".npz"
+            part = Path(f.name)
+            try:
+                np.savez_compressed(f, manifest=np.array(json.dumps(manifest)), **arrays)
+            except BaseException:
+                f.close()
+                part.unlink()
+                raise
+        os.replace(part, path)
         return checksum
 
     @classmethod
@@ -415,15 +446,16 @@ class Reference:
                     raise ReferenceFileError(f"{path} is not a fismo verify reference file (no manifest)")
                 try:
                     manifest = json.loads(str(f["manifest"]))
-                except (ValueError, TypeError) as exc:
+                except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
                     raise ReferenceFileError(f"{path} is not a fismo verify reference file (unreadable manifest)") from exc
                 if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
                     raise ReferenceFileError(f"{path} is not a fismo verify reference file (format is not {FORMAT_NAME!r})")
                 version = manifest.get("format_version")
-                if type(version) is not int or version != FORMAT_VERSION:  # not True, which equals 1
+                if type(version) is not int or version not in READABLE_VERSIONS:  # not True, which equals 1
                     raise ReferenceFileError(
-                        f"{path} has reference format version {version!r}; fismo {__version__} reads version "
-                        f"{FORMAT_VERSION} (make a new reference with this version: fismo verify --save)"
+                        f"{path} has reference format version {version!r}; fismo {__version__} reads versions "
+                        f"{' and '.join(map(str, READABLE_VERSIONS))} (make a new reference with this version: "
+                        "fismo verify --save)"
                     )
                 try:
                     stream_info = manifest["streams"]
@@ -472,8 +504,12 @@ class Reference:
         # NotImplementedError: zipfile's answer to a flipped compression method or version in the zip directory.
         except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError) as exc:
             raise ReferenceFileError(f"{path} is damaged: {type(exc).__name__}: {exc}") from exc
-        if _checksum(arrays) != checksum:
-            raise ReferenceFileError(f"{path} is damaged: its checksum does not match its contents")
+        described = None if version == 1 else {key: manifest[key] for key in DESCRIBING}
+        if _checksum(arrays, described) != checksum:
+            raise ReferenceFileError(
+                f"{path} is damaged: its checksum does not match its contents"
+                + ("" if version == 1 else " (its arrays and its manifest's configuration, steps, seed and streams)")
+            )
         for name in names:  # G and every line's output hold the stream's steps of W0's batch
             W0, n_steps = arrays[f"{name}/W0"], stream_steps[name]
             lead = (n_steps, *W0.shape[:-2])
@@ -494,7 +530,7 @@ class Reference:
             for s in stream_info
         ]
         outputs = {s.name: {q: arrays[f"{s.name}/{q}"] for q in QUANTITIES} for s in streams}
-        return cls(config, steps, seed, streams, outputs, library_version=lib)
+        return cls(config, steps, seed, streams, outputs, library_version=lib, format_version=version)
 
 
 # --------------------------------------------------------------- verify
@@ -734,6 +770,10 @@ def main(
     started = (time.perf_counter(), time.process_time(), _worker_cpu_seconds())
     if importlib.util.find_spec("numpy") is None:
         print("fismo verify: needs NumPy, the reference backend: pip install 'fismo[numpy]'", file=err)
+        return 2
+    if save is not None and (not save or save.endswith(("/", os.sep))):  # Path() drops the slash: "x.npz/" passed
+        what = "it is empty" if not save else f"it names a directory (it ends with {save[-1]!r})"
+        print(f"fismo verify: --save {save!r}: {what}; give a file name, e.g. reference.npz", file=err)
         return 2
     parent = None if save is None else Path(save).resolve().parent
     if parent is not None and not parent.is_dir():

@@ -316,7 +316,7 @@ def test_reference_round_trip(saved: Path) -> None:
         for q in QUANTITIES:
             assert np.array_equal(loaded.outputs[s.name][q], again.outputs[t.name][q]), (s.name, q)
     manifest = json.loads(str(np.load(saved)["manifest"]))
-    assert manifest["format"] == "fismo-verify-reference" and manifest["format_version"] == 1
+    assert manifest["format"] == "fismo-verify-reference" and manifest["format_version"] == 2
     assert manifest["library_version"] == fismo_core.__version__
     assert manifest["config"] == json.loads(json.dumps(dataclasses.asdict(FISMO())))
     assert manifest["config"]["polar"]["method"] == "newton_schulz"  # nested options are kept
@@ -376,12 +376,19 @@ def test_refuses_a_foreign_file(tmp_path: Path, capsys) -> None:
     _refused(tagged, capsys, "format is not 'fismo-verify-reference'")
 
 
-def _rewrite(saved: Path, out: Path, edit_manifest=None, edit_arrays=None) -> Path:
+def _rewrite(saved: Path, out: Path, edit_manifest=None, edit_arrays=None, resign: bool = True) -> Path:
+    """``saved`` with its manifest or arrays edited. An edited manifest is signed again (``resign``): its
+    configuration, steps, seed and streams are inside the checksum (format 2), which would refuse the edit
+    before the check a test is about."""
+    from fismo_core.verify import DESCRIBING, _checksum
+
     with np.load(saved) as f:
         arrays = {k: f[k] for k in f.files}
     manifest = json.loads(str(arrays.pop("manifest")))
     if edit_manifest:
         edit_manifest(manifest)
+        if resign and all(key in manifest for key in DESCRIBING):
+            manifest["checksum"] = _checksum(arrays, {key: manifest[key] for key in DESCRIBING})
     if edit_arrays:
         edit_arrays(arrays)
     with open(out, "wb") as fh:
@@ -436,8 +443,50 @@ def test_a_flipped_zip_directory_is_refused_as_damaged(saved: Path, tmp_path: Pa
 
 
 def test_refuses_another_format_version(saved: Path, tmp_path: Path, capsys) -> None:
-    path = _rewrite(saved, tmp_path / "v2.npz", edit_manifest=lambda m: m.update(format_version=2))
-    _refused(path, capsys, r"has reference format version 2; fismo .* reads version 1")
+    path = _rewrite(saved, tmp_path / "v3.npz", edit_manifest=lambda m: m.update(format_version=3))
+    _refused(path, capsys, r"has reference format version 3; fismo .* reads versions 1 and 2")
+
+
+def test_an_edited_configuration_is_refused_as_damaged(saved: Path, tmp_path: Path, capsys) -> None:
+    """The manifest's configuration, steps, seed and streams are inside the checksum (format 2): a ``mu``
+    edited by hand loaded until 2026-12-03, and every target, NumPy float64 included, failed against it
+    (exit 1, as if every backend were wrong) under the checksum of the file before the edit (a user's
+    hunt). The steps likewise: 50 in a file of 2-step streams went into the table."""
+    for name, edit in (("mu", lambda m: m["config"].update(mu=1e-2)), ("steps", lambda m: m.update(steps=50))):
+        path = _rewrite(saved, tmp_path / f"{name}.npz", edit_manifest=edit, resign=False)
+        _refused(path, capsys, r"is damaged: its checksum does not match its contents \(its arrays and its manifest's")
+
+
+def test_a_version_1_file_loads_with_the_checksum_of_its_arrays(saved: Path, tmp_path: Path, capsys) -> None:
+    """Files written before format 2 (2026-12-03) have a checksum of their arrays alone: they load, and
+    ``--against`` prints that checksum, the one their ``--save`` printed."""
+    from fismo_core.verify import _checksum
+
+    with np.load(saved) as f:
+        arrays = {k: f[k] for k in f.files if k != "manifest"}
+    version_1 = _checksum(arrays)
+    path = _rewrite(saved, tmp_path / "v1.npz", resign=False,
+                    edit_manifest=lambda m: m.update(format_version=1, checksum=version_1))
+    loaded = Reference.load(path)
+    assert loaded.format_version == 1 and loaded.checksum == version_1 != Reference.load(saved).checksum
+    assert cli_main(["verify", "--against", str(path)]) == 0
+    assert f"({version_1}, made by fismo" in capsys.readouterr().out
+    # ... and a version 1 file whose arrays were changed is still refused.
+    def edit(arrays):
+        key = next(k for k in arrays if k.endswith("/direction"))
+        arrays[key] = arrays[key] + 1e-12
+    _refused(_rewrite(path, tmp_path / "v1x.npz", edit_arrays=edit), capsys, "its checksum does not match its contents$")
+
+
+def test_a_manifest_nested_too_deep_for_json_is_refused(saved: Path, tmp_path: Path, capsys) -> None:
+    """JSON nested 100,000 deep: ``json.loads`` raised ``RecursionError``, a traceback and exit 1
+    (a user's hunt, 2026-12-03)."""
+    out = tmp_path / "deep.npz"
+    with np.load(saved) as f:
+        arrays = {k: f[k] for k in f.files if k != "manifest"}
+    with open(out, "wb") as fh:
+        np.savez(fh, manifest=np.array("[" * 100_000 + "]" * 100_000), **arrays)
+    _refused(out, capsys, r"is not a fismo verify reference file \(unreadable manifest\)")
 
 
 def test_refuses_a_configuration_this_version_cannot_build(saved: Path, tmp_path: Path, capsys) -> None:
@@ -507,7 +556,7 @@ def test_a_reference_of_streams_longer_than_steps_loads(tmp_path: Path) -> None:
 def test_refuses_arrays_that_are_not_float64(saved: Path, tmp_path: Path, capsys) -> None:
     """The format's arrays are all float64; a complex one loaded with a ComplexWarning, its imaginary part
     dropped, and a float32 one was widened (a user's hunt, 2026-12-02)."""
-    from fismo_core.verify import _checksum
+    from fismo_core.verify import DESCRIBING, _checksum
 
     out = tmp_path / "c.npz"
     with np.load(saved) as f:
@@ -515,7 +564,8 @@ def test_refuses_arrays_that_are_not_float64(saved: Path, tmp_path: Path, capsys
     manifest = json.loads(str(arrays.pop("manifest")))
     key = next(k for k in arrays if k.endswith("/M"))
     arrays[key] = arrays[key].astype(np.complex128)
-    manifest["checksum"] = _checksum({k: np.asarray(v.real, dtype=np.float64) for k, v in arrays.items()})
+    manifest["checksum"] = _checksum({k: np.asarray(v.real, dtype=np.float64) for k, v in arrays.items()},
+                                     {k: manifest[k] for k in DESCRIBING})
     with open(out, "wb") as fh:
         np.savez(fh, manifest=np.array(json.dumps(manifest)), **arrays)
     _refused(out, capsys, re.escape(f"is damaged: arrays not float64 ({key} (complex128))"))
@@ -535,7 +585,7 @@ def test_a_reference_of_more_steps_than_the_recorded_streams_hold_loads(tmp_path
 
 def test_refuses_streams_whose_arrays_do_not_hold_the_steps(saved: Path, tmp_path: Path, capsys) -> None:
     """A gradient stream one step short, checksum recomputed (so the file is consistent but unusable)."""
-    from fismo_core.verify import _checksum
+    from fismo_core.verify import DESCRIBING, _checksum
 
     out = tmp_path / "short.npz"
     with np.load(saved) as f:
@@ -543,7 +593,8 @@ def test_refuses_streams_whose_arrays_do_not_hold_the_steps(saved: Path, tmp_pat
     manifest = json.loads(str(arrays.pop("manifest")))
     key = next(k for k in arrays if k.endswith("/G"))
     arrays[key] = arrays[key][:-1]
-    manifest["checksum"] = _checksum({k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()})
+    manifest["checksum"] = _checksum({k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()},
+                                     {k: manifest[k] for k in DESCRIBING})
     with open(out, "wb") as fh:
         np.savez(fh, manifest=np.array(json.dumps(manifest)), **arrays)
     _refused(out, capsys, rf"is damaged: stream '{key.split('/')[0]}' does not hold \d+ steps of W0's shape")
@@ -638,6 +689,41 @@ def test_reference_keeps_a_non_default_configuration(tmp_path: Path) -> None:
     stream = Stream("s", np.ones((3, 4)), np.random.default_rng(0).standard_normal((2, 3, 4)))
     Reference.compute(optimizer, [stream], steps=2, seed=0).save(tmp_path / "r.npz")
     assert Reference.load(tmp_path / "r.npz").optimizer() == optimizer
+
+
+@pytest.mark.parametrize("name", ["new.npz/", ""], ids=["trailing-slash", "empty"])
+def test_save_to_a_name_that_is_no_file_name_is_refused_before_running(tmp_path: Path, capsys,
+                                                                      monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """``--save new.npz/`` passed the check (``Path`` drops the slash) and failed after the whole run with
+    "Is a directory"; ``--save ""`` said "cannot write : it is a directory" (a user's hunt, 2026-12-03)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["verify", "--steps", "1", "--save", name]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert captured.err.startswith(f"fismo verify: --save {name!r}: ") and "give a file name" in captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_that_fails_leaves_the_file_that_was_there(saved: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails part way (a full disk: "File too large" under ``ulimit -f``; Ctrl-C) truncated the
+    reference it was replacing, which then no longer loaded (a user's hunt, 2026-12-03). It is written
+    beside it and renamed over it: the old file stays whole and no part file is left."""
+    path = tmp_path / "ref.npz"
+    path.write_bytes(saved.read_bytes())
+    before = path.read_bytes()
+    reference = Reference.load(saved)
+
+    def fails_part_way(file, *args, **kwargs):
+        file.write(b"PK\x03\x04 partial")
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(np, "savez_compressed", fails_part_way)
+    with pytest.raises(OSError, match="File too large"):
+        reference.save(path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ref.npz"]
+    monkeypatch.undo()
+    assert reference.save(path) == Reference.load(path).checksum == reference.checksum
 
 
 def test_save_into_a_missing_directory_is_refused_before_running(tmp_path: Path, capsys) -> None:
