@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -40,11 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and the training configuration FISMO-T), Muon (configured as printed FISMO, and torch.optim.Muon at "
         "its defaults), AdamW, SGD and SOAP: a learning-rate sweep per optimizer, the best of each over seeds, "
         "condition numbers of the updates and FISMO's preconditioners. 24 CPU-minutes on a CPU with bfloat16 "
-        "instructions (AVX-512 BF16; more where bfloat16 is emulated) (--quick: 2.5 to 7 CPU-minutes); see "
+        "instructions (AVX-512 BF16; more where bfloat16 is emulated) (--quick: 2.3 to 7 CPU-minutes); see "
         "docs/results.md.",
     )
     demo.add_argument("--out", default="fismo-results", help="output directory (default fismo-results/)")
-    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: 2.5 to 7 CPU-minutes (1 min 15 s to 3 min 22 s on 2 "
+    demo.add_argument("--quick", action="store_true", help="fewer steps and seeds, a smoke test: 2.3 to 7 CPU-minutes (1 min 15 s to 3 min 22 s on 2 "
                       "cores; the less where the CPU has bfloat16 instructions, as the README measures)")
     demo.add_argument("--tasks", default="digits,text", help="comma-separated: digits, text (default both)")
     demo.add_argument(
@@ -86,6 +88,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             value = getattr(args, name)
             if value is not None and value < 1:
                 usage_error(f"--{name} must be a positive integer")
+        missing = [name for module, name in (("torch", "torch"), ("sklearn", "scikit-learn"))
+                   if importlib.util.find_spec(module) is None]
+        if missing:  # before the runs: without scikit-learn the first run raised, a traceback
+            print(f"fismo demo: needs {' and '.join(missing)}: pip install 'fismo[demo]'", file=sys.stderr)
+            return 2
+        if not args.out:
+            usage_error("--out must name a directory (it was empty)")
         from .demo import default_config
         from .demo import main as demo_main
         from .demo import out_directory
@@ -101,13 +110,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         except ValueError as exc:  # an unknown task or optimizer name
             usage_error(str(exc))
+        from .demo.optimizers import soap_available
+
+        if set(config.optimizers) == {"SOAP"} and not soap_available():  # SOAP alone: nothing would run
+            usage_error("--optimizers SOAP needs pytorch-optimizer (pip install pytorch-optimizer), which is "
+                        "not installed; name another optimizer too, or install it")
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             usage_error(f"--out {args.out} is a file; the report is a directory")
         try:
             out_directory(args.out)
         except OSError as exc:  # before the runs, not after them
             usage_error(str(exc))
-        command = " ".join(["fismo", *(argv if argv is not None else sys.argv[1:])])
+        command = shlex.join(["fismo", *(argv if argv is not None else sys.argv[1:])])  # pastes back as it ran
         return demo_main(config, args.out, progress=not args.no_progress, command=command)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 

@@ -405,6 +405,7 @@ def test_last_line_names_only_the_files_written() -> None:
     assert "2 PNG figures" in line and "61 s" in line and "100 CPU-seconds" in line
     line = demo.wrote_line("out", tables, 61.2, 100.4)
     assert "PNG" not in line and "matplotlib is not installed" in line
+    assert demo.wrote_line("out/", tables, 1, 1).startswith("Wrote out/report.md, ")  # not out//report.md
     from fismo_core.demo.report import _minutes
 
     assert [_minutes(s) for s in (61.2, 119.6, 299.6, 3600)] == ["61 s", "2 min 00 s", "5 min 00 s", "60 min 00 s"]
@@ -654,24 +655,68 @@ def test_no_matplotlib_no_figures_claimed(tiny_run, tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     monkeypatch.setattr(demo, "run_demo", lambda config, progress, journal: results)
+    # An earlier run's figure is removed (the folder is this run's: a user's hunt, 2026-12-03, found a
+    # figure of a FISMO run beside the report of an SGD-only one); the user's own files stay.
+    (tmp_path / "digits_loss.png").write_bytes(b"an earlier run's figure")
+    (tmp_path / "notes.txt").write_text("mine")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert demo.main(results.config, str(tmp_path), progress=False) == 0
     last = printed.getvalue().strip().splitlines()[-1]
     assert "PNG" not in last and "matplotlib is not installed" in last, last
-    assert not list(tmp_path.glob("*.png"))
+    assert not list(tmp_path.glob("*.png")) and (tmp_path / "notes.txt").read_text() == "mine"
     assert "Figures skipped" in (tmp_path / "report.md").read_text()
+
+
+def test_a_report_that_cannot_be_written_leaves_the_folder_as_it_was(tiny_run, tmp_path: Path, capsys,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails after the runs (a full disk: "File too large" under ``ulimit -f``) raised a
+    traceback and left a truncated figure and half of the tables (a user's hunt, 2026-12-03): now one
+    line, exit 2, and the files that were there are as they were, with no part file left."""
+    import fismo_core.demo.report as report_mod
+
+    _, _, _, results = tiny_run
+    monkeypatch.setattr(demo, "run_demo", lambda config, progress, journal: results)
+    (tmp_path / "report.md").write_text("the earlier report")
+    (tmp_path / "digits_loss.png").write_bytes(b"the earlier figure")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_write_csv = report_mod._write_csv
+
+    def disk_full_at_the_runs_table(path: Path, header, rows) -> None:
+        if "runs.csv" in path.name:
+            path.write_text("task,optim")
+            raise OSError(27, "File too large", str(path))
+        real_write_csv(path, header, rows)
+
+    monkeypatch.setattr(report_mod, "_write_csv", disk_full_at_the_runs_table)
+    assert demo.main(results.config, str(tmp_path), progress=False) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fismo demo: cannot write the report to {tmp_path}: File too large")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_folder_with_the_name_of_a_report_file_is_refused_before_the_runs(tmp_path: Path) -> None:
+    """``summary.csv`` a folder: the whole demo ran, then ``IsADirectoryError`` with report.md and the figures
+    written and the other tables not (a user's hunt, 2026-12-03). Refused before any run now, exit 2."""
+    (tmp_path / "summary.csv").mkdir()
+    result = subprocess.run([sys.executable, "-m", "fismo_core", "demo", "--out", str(tmp_path)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{tmp_path / 'summary.csv'} is a folder; the report writes a file of that name" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv"]
 
 
 # ------------------------------------------------------------------ command line
 def test_command_line_runs_and_reports(tmp_path: Path) -> None:
     printed = io.StringIO()
+    tmp_path = tmp_path / "my results"  # the command is recorded quoted, to paste back (it was not: a user's hunt)
     argv = ["demo", "--quick", "--tasks", "digits", "--optimizers", "AdamW", "--seeds", "1", "--steps", "4",
             "--jobs", "1", "--out", str(tmp_path), "--no-progress"]
     with contextlib.redirect_stdout(printed):
         assert cli_main(argv) == 0
     payload = json.loads((tmp_path / "results.json").read_text())
-    assert payload["command"] == "fismo " + " ".join(argv) and payload["preset"] == "quick"
+    assert payload["command"] == "fismo " + " ".join(argv[:-2]) + f" '{tmp_path}' --no-progress"
+    assert payload["preset"] == "quick"
     [grid] = payload["grids"]  # the quick grid of 3 values, and its extensions if the winner was on an edge
     assert len(grid["lrs"]) == 3 + len(grid["extended_by"]) and set(grid["extended_by"]) <= set(grid["lrs"])
     assert {(r["optimizer"], r["steps"]) for r in payload["runs"]} == {("AdamW", 4)}
@@ -682,6 +727,39 @@ def test_command_line_runs_and_reports(tmp_path: Path) -> None:
     report = (tmp_path / "report.md").read_text()
     assert "Condition number of the updates" in report and "FISMO's preconditioners" not in report
     assert not re.search(r"^\|[^\n]*\|\n\|[ -:|]*\|\n(?!\|)", report, re.M), "a table with no rows"
+
+
+@pytest.mark.parametrize("missing", ["torch", "sklearn"])
+def test_demo_without_torch_or_scikit_learn_says_what_to_install(missing: str, capsys,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without torch: ``ModuleNotFoundError``, a traceback; without scikit-learn: a traceback from the first
+    run (a user's hunt, 2026-12-03). One line and exit 2 now, before anything runs, as ``fismo verify`` says
+    it needs NumPy."""
+    monkeypatch.setitem(sys.modules, missing, None)  # what an environment without it gives
+    assert cli_main(["demo", "--out", "never-made"]) == 2
+    captured = capsys.readouterr()
+    name = {"torch": "torch", "sklearn": "scikit-learn"}[missing]
+    assert captured.err.strip() == f"fismo demo: needs {name}: pip install 'fismo[demo]'" and captured.out == ""
+    assert not os.path.exists("never-made")
+
+
+def test_demo_of_soap_alone_without_pytorch_optimizer_is_a_usage_error(capsys, monkeypatch) -> None:
+    """SOAP was dropped with a note and nothing else ran: ``max() arg is an empty sequence`` after the start,
+    two empty figures left (a user's hunt, 2026-12-03)."""
+    import fismo_core.demo.optimizers as optimizers_mod
+
+    monkeypatch.setattr(optimizers_mod, "soap_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--optimizers", "SOAP", "--out", "never-made"])
+    assert exc.value.code == 2 and "--optimizers SOAP needs pytorch-optimizer" in capsys.readouterr().err
+    assert not os.path.exists("never-made")
+
+
+def test_demo_refuses_an_empty_out(capsys) -> None:
+    """``--out ""`` wrote into the current folder and said "Wrote /report.md" (a user's hunt, 2026-12-03)."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--out", ""])
+    assert exc.value.code == 2 and "--out must name a directory" in capsys.readouterr().err
 
 
 def test_demo_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ Needs torch, scikit-learn, matplotlib and tqdm; SOAP needs pytorch-optimizer
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .._paths import cannot_write_in
@@ -39,7 +40,8 @@ def main(
     command: str = "fismo demo",
     journal: bool = False,
 ) -> int:
-    """Run the demo ``config`` and write its report to ``out``; prints the tables. Returns the exit code (0).
+    """Run the demo ``config`` and write its report to ``out``; prints the tables. Returns the exit code: 0,
+    or 2 where the report could not be written (one line on standard error; ``out`` is left as it was).
 
     ``out`` is created and tried for writing first (`out_directory`): an `OSError` before any run.
 
@@ -51,7 +53,13 @@ def main(
 
     path = out_directory(out)
     results = run_demo(config, progress=progress, journal=path / "journal.jsonl" if journal else None)
-    report, files = write_report(results, path, command)
+    try:
+        report, files = write_report(results, path, command)
+    except OSError as exc:  # a full disk, a folder where a file goes: after the runs, so one line, not a traceback
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"fismo demo: cannot write the report to {out}: {exc.strerror or exc}{where}; nothing was written "
+              "there", file=sys.stderr)
+        return 2
     print(report)
     print(wrote_line(out, files, results.seconds, results.cpu_seconds))
     return 0
@@ -68,6 +76,13 @@ def out_directory(out: str) -> Path:
     reason = cannot_write_in(path)
     if reason is not None:
         raise OSError(f"cannot write the report to {out}: {reason}")
+    from .report import in_the_way
+
+    try:
+        in_the_way(path)
+    except IsADirectoryError as exc:
+        raise OSError(f"cannot write the report to {out}: {exc.filename} is a folder; the report writes a file "
+                      "of that name") from None
     return path
 
 
@@ -75,6 +90,6 @@ def wrote_line(out: str, files: list[str], seconds: float, cpu_seconds: float) -
     """The demo's last line: the files it wrote (no PNG claimed where none was written) and its times."""
     tables = [f for f in files if not f.endswith(".png")]
     figures = [f for f in files if f.endswith(".png")]
-    what = f"{out}/{tables[0]}, " + ", ".join(tables[1:])
-    what += f" and {len(figures)} PNG figures" if figures else " (no figures: matplotlib is not installed)"
+    what = f"{Path(out) / tables[0]}, " + ", ".join(tables[1:])
+    what += f" and {len(figures)} PNG figure{'s' * (len(figures) != 1)}" if figures else " (no figures: matplotlib is not installed)"
     return f"Wrote {what} in {seconds:.0f} s ({cpu_seconds:.0f} CPU-seconds)."

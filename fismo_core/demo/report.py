@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import json
 import math
@@ -421,7 +422,7 @@ def _save(fig: Any, path: Path) -> None:
     fig.savefig(buffer, format="png", dpi=80)
     plt.close(fig)
     buffer.seek(0)
-    Image.open(buffer).convert("RGB").quantize(colors=256).save(path, optimize=True)
+    Image.open(buffer).convert("RGB").quantize(colors=256).save(path, format="PNG", optimize=True)
 
 
 def _mean_curve(
@@ -636,13 +637,69 @@ def _minutes(seconds: float) -> str:
     return f"{whole} s" if whole < 120 else f"{whole // 60} min {whole % 60:02d} s"
 
 
+#: The tables every demo writes.
+TABLES = ("report.md", "summary.csv", "runs.csv", "curves.csv", "results.json")
+#: Every figure a demo can write: those of an earlier run that this one does not write are removed.
+FIGURES = tuple(f"{task}_{kind}.png" for task in ("digits", "text")
+                for kind in ("loss", "condition", "preconditioner", "blocks"))
+
+
+class _Staged:
+    """The report's files, each written as ``.NAME.part`` beside its name and renamed over it once every one is
+    written: a write that fails (a full disk, a folder in a file's place) leaves ``out`` as it was, not a
+    truncated figure and half of the tables (until 2026-12-03, a user's hunt)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.parts: dict[str, Path] = {}
+
+    def __call__(self, name: str) -> Path:
+        """Where to write file ``name`` for now."""
+        self.parts[name] = self.out / f".{name}.part"
+        return self.parts[name]
+
+    def commit(self) -> None:
+        for name, part in self.parts.items():
+            os.replace(part, self.out / name)
+
+    def discard(self) -> None:
+        for part in self.parts.values():
+            part.unlink(missing_ok=True)
+
+
+def in_the_way(out: Path) -> None:
+    """An `IsADirectoryError` if a folder in ``out`` has the name of a file of the report (`TABLES`, `FIGURES`):
+    found after the runs, it left half of the report written (a user's hunt, 2026-12-03)."""
+    for name in (*TABLES, *FIGURES):
+        if (out / name).is_dir():
+            raise IsADirectoryError(errno.EISDIR, "a folder has the name of a file of the report", str(out / name))
+
+
 def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, list[str]]:
     """Write ``report.md``, ``summary.csv``, ``runs.csv``, ``curves.csv``, ``results.json`` and the PNGs to ``out``.
 
     The PNG figures need matplotlib; without it the report says so and no
-    figure is written. Returns the markdown report (also printed by the CLI)
-    and the names of the files written, in order.
+    figure is written. All or nothing: an `OSError` leaves ``out`` as it
+    was (`_Staged`). Figures of an earlier run in ``out`` (`FIGURES`) that
+    this run does not draw are removed, so that the folder is this run's.
+    Returns the markdown report (also printed by the CLI) and the names of
+    the files written, in order.
     """
+    in_the_way(out)
+    staged = _Staged(out)
+    try:
+        report, written = _write_report(results, out, command, staged)
+        staged.commit()
+    except BaseException:
+        staged.discard()
+        raise
+    for stale in set(FIGURES) - set(written):
+        (out / stale).unlink(missing_ok=True)
+    return report, written
+
+
+def _write_report(results: DemoResults, out: Path, command: str, staged: _Staged) -> tuple[str, list[str]]:
+    """`write_report`, each file written to ``staged(name)``."""
     try:
         import matplotlib
     except ImportError:
@@ -682,13 +739,13 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
         if blocks:
             figures.append(("blocks", _plot_blocks))
         for kind, plot in figures if plots else ():
-            plot(results, task, title, out / f"{task}_{kind}.png")
+            plot(results, task, title, staged(f"{task}_{kind}.png"))
             written.append(f"{task}_{kind}.png")
         parts += [
             "",
             f"## {title}",
             "",
-            f"{plan.task.describe()}; {plan.steps} steps, warm-up {plan.warmup} steps then cosine to 10 % of the lr; "
+            f"{plan.task.describe()}; {plan.steps} steps, warm-up {plan.warmup} step{'s' * (plan.warmup != 1)} then cosine to 10 % of the lr; "
             f"AdamW lr {plan.adamw_lr:g} for the non-matrix parameters of FISMO and Muon.",
             "",
             "Selected learning rate of each optimizer, final numbers over seeds (mean ± std):",
@@ -728,15 +785,15 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
         if plots:
             parts += ["", *(f"![{task} {kind}]({task}_{kind}.png)" for kind, _ in figures)]
     report = "\n".join(parts) + "\n"
-    (out / "report.md").write_text(report)
+    staged("report.md").write_text(report)
 
     rows = summarise(results)
     keys = ["task", "optimizer", "lr_grid", "lr", "seeds", "val_loss_mean", "val_loss_std", "val_acc_mean",
             "val_acc_std", "seconds_per_run", "cpu_seconds_per_run", *_STEP_TIMES]
-    _write_csv(out / "summary.csv", keys, ([s[k] for k in keys] for s in rows))
+    _write_csv(staged("summary.csv"), keys, ([s[k] for k in keys] for s in rows))
     run_keys = ["task", "optimizer", "lr", "seed", "steps", "final_val_loss", "final_val_acc", "final_train_loss",
                 "diverged", "seconds", "cpu_seconds", *_STEP_TIMES]
-    _write_csv(out / "runs.csv", run_keys, ([getattr(r, k) for k in run_keys] for r in results.runs))
+    _write_csv(staged("runs.csv"), run_keys, ([getattr(r, k) for k in run_keys] for r in results.runs))
     curve_rows = []
     for r in results.runs:
         h = r.history
@@ -745,7 +802,7 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
                                 ("cond_Q", "measure_step"), ("P_dev", "measure_step"), ("Q_dev", "measure_step")):
             for step, value in zip(getattr(h, step_attr), getattr(h, attr)):
                 curve_rows.append([r.task, r.optimizer, r.lr, r.seed, attr, step, value])
-    _write_csv(out / "curves.csv", ["task", "optimizer", "lr", "seed", "metric", "step", "value"], curve_rows)
+    _write_csv(staged("curves.csv"), ["task", "optimizer", "lr", "seed", "metric", "step", "value"], curve_rows)
     payload = {
         "command": command,
         "preset": results.config.preset,
@@ -761,5 +818,5 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
                   for (t, o), lrs in results.grids.items()],
         "runs": [r.to_dict() for r in results.runs],
     }
-    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
-    return report, ["report.md", "summary.csv", "runs.csv", "curves.csv", "results.json", *written]
+    staged("results.json").write_text(json.dumps(payload, indent=1, default=str))
+    return report, [*TABLES, *written]
