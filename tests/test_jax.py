@@ -10,6 +10,8 @@ away from the identity and every line of Algorithm 1 matters.
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -730,6 +732,34 @@ def test_optax_gradients_of_another_dtype_than_the_params(param_dtype: str, grad
     assert jitted.dtype == jnp.dtype(param_dtype)
     bare = scale_by_fismo()
     assert bare.update(grads[0], bare.init(W0))[0].dtype == jnp.dtype(grad_dtype)
+
+
+@pytest.mark.parametrize("wrapper", ["apply_if_finite", "MultiSteps"])
+def test_wrappers_that_trace_the_update_leave_out_the_eager_checks(wrapper: str) -> None:
+    """``optax.apply_if_finite`` and ``optax.MultiSteps`` run the update inside ``lax.cond``, traced even
+    without ``jax.jit``: a root that fails its check (a finite gradient 1e30 times a usual one) is repaired
+    by the plain eager ``fismo`` (two warnings, finite params) and not under them (NaN params, no warning),
+    as under ``jax.jit``; the page "Backends" says so (a user's hunt, 2026-12-03)."""
+    optax = _optax()
+    from fismo_core.backends.optax import fismo
+
+    _jax_target("float32")
+    params = {"w": jnp.ones((4, 3)) + jnp.eye(4, 3)}
+    good = {"w": jnp.arange(12.0).reshape(4, 3) / 12}
+    huge = {"w": good["w"] * 1e30}  # finite in float32; P_t overflows
+
+    def run(tx: Any) -> tuple[bool, int]:
+        state, p = tx.init(params), params
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for g in (good, huge, good):
+                u, state = tx.update(g, state, p)
+                p = optax.apply_updates(p, u)
+        return bool(jnp.all(jnp.isfinite(p["w"]))), len(caught)
+
+    assert run(fismo(0.02)) == (True, 2)
+    wrapped = optax.apply_if_finite(fismo(0.02), 3) if wrapper == "apply_if_finite" else optax.MultiSteps(fismo(0.02), 1)
+    assert run(wrapped) == (False, 0)
 
 
 # ----------------------------------------------------------------- optax: block-diagonal factors
