@@ -699,6 +699,9 @@ def check_grads(param_groups: list, process_group: Any = None) -> GradientChecks
                     raise TypeError(f"{name} has a non-floating gradient ({g.dtype})")
                 if tuple(g.shape) != tuple(p.shape):
                     raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}")
+            elif tuple(g.shape) != tuple(p.shape):  # torch.optim.AdamW raised (or broadcast), after the FISMO groups
+                raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}; nothing was "
+                                 "stepped")
             elif g.dtype != p.dtype:  # torch.optim.AdamW raised in its step, after the FISMO groups had stepped
                 raise TypeError(
                     f"{name} has dtype {p.dtype} and a gradient of dtype {g.dtype} (its grad_dtype); AdamW groups "

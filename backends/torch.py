@@ -393,10 +393,14 @@ class FISMO(Optimizer):
             super().load_state_dict({**state_dict, "state": base_state})
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
-        restore_saved_state(
-            self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
-        )
-        self._keep_owners(placements)
+        # Normal tensors, also inside torch.inference_mode(): the copies made there were inference tensors,
+        # and the next step outside it raised at its in-place update after writing P (a user's hunt, 2026-12-03;
+        # torch.optim.AdamW keeps the saved tensors themselves where dtype and device agree).
+        with torch.inference_mode(False):
+            restore_saved_state(
+                self.state, self.param_groups, saved_state, saved_groups, owns=lambda p: placements[p].owns
+            )
+            self._keep_owners(placements)
         for group in self.param_groups:  # torch.optim deep-copies the saved groups at once: shared dicts stay shared
             own_nested_options(group)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -244,6 +244,91 @@ def test_a_gradient_of_another_dtype_is_refused_in_an_adamw_group_before_anythin
     assert torch.equal(W, twin.detach().to(torch.bfloat16))
 
 
+def test_a_gradient_of_another_shape_is_refused_in_an_adamw_group_before_anything_steps():
+    """A gradient set through ``.data`` (``p.grad = ...`` checks the shape, ``.data`` does not): torch.optim.AdamW
+    raised its size mismatch after the FISMO group before it had stepped, a broadcastable one it broadcast
+    (a user's hunt, 2026-12-03). Refused before anything changes, as in a FISMO group."""
+    gen = torch.Generator().manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(4, 3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw"}], lr=0.1)
+    for wrong in ((3,), (1,)):
+        W.grad, b.grad = torch.randn(4, 3, generator=gen), torch.zeros(5)
+        b.grad.data = torch.randn(wrong, generator=gen)
+        before = (W.detach().clone(), b.detach().clone())
+        with pytest.raises(ValueError, match=rf"parameter 0 of param group 1 \(shape \(5,\)\) has shape \(5,\) but its "
+                                             rf"gradient \({wrong[0]},\); nothing was stepped"):
+            opt.step()
+        assert torch.equal(W, before[0]) and torch.equal(b, before[1]) and not opt.state
+
+
+@pytest.mark.parametrize("to", ["adamw", "fismo"])
+def test_a_parameter_moved_to_a_group_of_the_other_algorithm_is_refused_naming_it(to):
+    """A matrix moved from a FISMO group to an AdamW one (or back) keeps the state of the group it left: the
+    step raised a bare ``KeyError: 'exp_avg'`` after the FISMO groups had stepped (or ``KeyError: 'M'``),
+    a user's hunt, 2026-12-03. Refused by name before anything changes; ``del opt.state[p]`` starts it anew."""
+    gen = torch.Generator().manual_seed(0)
+    A, head = (torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(2))
+    first = "fismo" if to == "adamw" else "adamw"
+    opt = FISMO([{"params": [A]}, {"params": [head], "algorithm": first}], lr=0.02)
+    A.grad, head.grad = torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen)
+    opt.step()
+    opt.param_groups[1]["params"].remove(head)
+    opt.add_param_group({"params": [head], "algorithm": to})
+    before = (A.detach().clone(), head.detach().clone(), {k: v.clone() for k, v in opt.state[A].items()})
+    algorithm = {"fismo": "a FISMO", "adamw": "an AdamW"}
+    with pytest.raises(ValueError, match=rf"parameter 0 of param group 2 \(shape \(4, 3\)\) is in {algorithm[to]} "
+                                         rf"group but has the state of {algorithm[first]} group"):
+        opt.step()
+    assert torch.equal(A, before[0]) and torch.equal(head, before[1])
+    assert all(torch.equal(opt.state[A][k], v) for k, v in before[2].items())
+    del opt.state[head]  # what the message advises
+    opt.step()
+    assert ("M" in opt.state[head]) == (to == "fismo") and not torch.equal(head, before[1])
+
+
+def test_decoupled_weight_decay_false_is_refused_in_an_adamw_group():
+    """torch 2.13's Adam and AdamW groups carry ``decoupled_weight_decay``; with ``False`` torch.optim.AdamW is
+    torch.optim.Adam (L2 decay). AdamW groups kept it and decoupled anyway (1.5e-3 off torch's in three steps;
+    a user's hunt, 2026-12-03): refused when the group is added and when it is set later; ``True`` is AdamW."""
+    W, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False: AdamW groups decouple the weight decay"):
+        FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw", "decoupled_weight_decay": False}])
+    opt = FISMO([{"params": [W]}, {"params": [b], "algorithm": "adamw", "decoupled_weight_decay": True}], lr=0.02)
+    opt.param_groups[1]["decoupled_weight_decay"] = False
+    W.grad, b.grad = torch.randn(4, 3), torch.randn(5)
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        opt.step()
+    assert not opt.state
+
+
+def test_a_state_loaded_inside_inference_mode_steps_outside_it():
+    """``load_state_dict`` under ``torch.inference_mode()`` made FISMO's restored states inference tensors; the
+    next step outside raised "Inplace update to inference tensor outside InferenceMode" after writing ``P``,
+    and every later step too (a user's hunt, 2026-12-03; torch.optim.AdamW keeps the saved tensors). The
+    states are normal tensors now, and the run goes on as the uninterrupted one, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(4, 3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))
+    grads = [(torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)) for _ in range(3)]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in (W, b)]
+
+    def build(params):
+        return FISMO([{"params": [params[0]]}, {"params": [params[1]], "algorithm": "adamw"}], lr=0.02)
+
+    opt, uninterrupted = build([W, b]), build(twin)
+    for t, (gW, gb) in enumerate(grads):
+        for o, (p, q) in ((opt, (W, b)), (uninterrupted, twin)):
+            p.grad, q.grad = gW.clone(), gb.clone()
+            o.step()
+        if t == 0:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = build([W, b])
+            with torch.inference_mode():
+                opt.load_state_dict(saved)
+            assert not any(v.is_inference() for s in opt.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor))
+    assert torch.equal(W, twin[0]) and torch.equal(b, twin[1])
+
+
 @pytest.mark.parametrize("setting, value", [("lr", 1e-3), ("eps", 1e-6), ("weight_decay", 0.05), ("betas", (0.8, 0.99))])
 def test_numpy_scalar_adamw_settings_are_stored_as_python_floats(setting, value):
     """An AdamW group's NumPy-scalar settings, given or set later, are stored as floats and step as the floats
