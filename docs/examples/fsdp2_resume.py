@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     model = build_model()
     train(model, build_optimizer(model), range(args.steps))
-    worst = max(float((a - b).norm() / b.norm()) for a, b in zip(resumed, model.parameters()))
+    worst = max(float((a - b).norm() / b.norm()) for a, b in zip(resumed, (p.detach() for p in model.parameters())))
     print(f"uninterrupted single process: largest relative difference of a parameter {worst:.1e} "
           f"({'within' if worst <= TOLERANCE else 'ABOVE'} {TOLERANCE:.0e})")
     return 0 if worst <= TOLERANCE else 1
