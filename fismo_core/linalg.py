@@ -269,6 +269,23 @@ def _is_traced(x: Any) -> bool:
     return jax is not None and isinstance(x, jax.core.Tracer)
 
 
+def _under_torch_vmap(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor inside ``torch.func.vmap`` (at any level of functorch's transforms),
+    where a host read raises vmap's "data-dependent control flow" error: the checks then step aside, as
+    under ``jax.vmap`` (until 2026-12-03 every checked call failed there; a user's hunt). torch is not
+    imported for this."""
+    torch = sys.modules.get("torch")
+    # Not asked while dynamo traces: it cannot trace functorch's interpreter stack (a graph break).
+    if torch is None or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
+        return False
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # a torch without functorch's interpreter stack
+        return False
+    return any(level.key() == TransformType.Vmap for level in retrieve_all_functorch_interpreters())
+
+
 def _readable(x: Array) -> bool:
     """Whether ``x``'s value can be read on the host without breaking a trace.
 
@@ -392,8 +409,11 @@ def _checks_can_run(xp: Any, X: Array, name: str, function: str) -> bool:
 
     The first host read of a function's checks: under ``jax.jit`` it raises
     ``jax.errors.ConcretizationTypeError`` (a ``TypeError``), and the caller
-    then leaves all its checks out (nothing can be read while tracing).
+    then leaves all its checks out (nothing can be read while tracing); so
+    it does inside ``torch.func.vmap`` (`_under_torch_vmap`).
     """
+    if _under_torch_vmap(X):
+        return False
     try:
         if bool(xp.all(xp.isfinite(X))):
             return True
@@ -425,7 +445,14 @@ def _max_exponent(A: Array) -> Array:
 
 
 def inverse_sqrt_tolerance(A: Array) -> float:
-    """The cut of `inverse_sqrt`'s checks: ``d * eps`` of ``A``'s dtype, relative to ``A``'s size.
+    """The cut of `inverse_sqrt`'s checks: ``d * eps``, relative to ``A``'s size.
+
+    ``eps`` is that of the dtype the eigenvalues are computed in: ``A``'s,
+    float32 for float16 and bfloat16 (whose own ``d eps`` reached 1 at
+    ``d = 128`` in bfloat16 and refused ``2 I``; a user's hunt, 2026-12-03);
+    and the cut is at least ``2 eps`` of ``A``'s own dtype, the asymmetry of
+    a matrix built symmetric and rounded entry by entry to it. For float32
+    and float64 it is ``d eps`` of the dtype (``d >= 2``).
 
     ``A`` is refused when ``||A - A^T||_F / ||A||_F > d eps`` (not symmetric)
     or ``lambda_min / max|lambda| <= d eps`` (indefinite, or singular to
@@ -439,13 +466,24 @@ def inverse_sqrt_tolerance(A: Array) -> float:
     point stay far below the symmetry cut (``docs/linalg.md``).
     """
     xp = _check_float_matrices(A, "A", square=True)
-    return A.shape[-1] * float(xp.finfo(A.dtype).eps)
+    own = float(xp.finfo(A.dtype).eps)
+    working = float(xp.finfo(xp.float32).eps) if xp.finfo(A.dtype).bits < 32 else own  # as `_exact_dtype`
+    return max(A.shape[-1] * working, 2 * own)
+
+
+def _cut_name(xp: Any, dtype: Any) -> str:
+    """How the messages name `inverse_sqrt_tolerance` for ``dtype``."""
+    return "d eps" if xp.finfo(dtype).bits >= 32 else f"max(d eps of float32, 2 eps of {_dtype_name(dtype)})"
 
 
 def _check_symmetric(xp: Any, S: Array, function: str) -> None:
-    """Raise `LinalgInputError` if ``||S - S^T||_F / ||S||_F > inverse_sqrt_tolerance`` for a matrix of ``S``."""
-    norm = xp.linalg.matrix_norm(S)
-    asymmetry = xp.linalg.matrix_norm(S - xp.matrix_transpose(S)) / xp.where(norm > 0, norm, xp.ones_like(norm))
+    """Raise `LinalgInputError` if ``||S - S^T||_F / ||S||_F > inverse_sqrt_tolerance`` for a matrix of ``S``.
+
+    Measured in float32 at least (`_exact_dtype`): float16's sum of squares overflowed past a side of about
+    200, the ratio was inf / inf = NaN, and every matrix passed (a user's hunt, 2026-12-03)."""
+    exact = _exact_dtype(xp, S)
+    norm = xp.linalg.matrix_norm(exact)
+    asymmetry = xp.linalg.matrix_norm(exact - xp.matrix_transpose(exact)) / xp.where(norm > 0, norm, xp.ones_like(norm))
     tolerance = inverse_sqrt_tolerance(S)
     failed = asymmetry > tolerance  # an all-zero matrix passes here and is refused as singular
     if not bool(xp.any(failed)):
@@ -453,7 +491,7 @@ def _check_symmetric(xp: Any, S: Array, function: str) -> None:
     label, first = _first_failure(xp, failed, tuple(S.shape[:-2]), "A")
     value = float(xp.reshape(asymmetry, (-1,))[first])
     raise LinalgInputError(
-        f"{function}: {label} is not symmetric: ||A - A^T||_F / ||A||_F = {value:.2g} > d eps = {tolerance:.2g} "
+        f"{function}: {label} is not symmetric: ||A - A^T||_F / ||A||_F = {value:.2g} > {_cut_name(xp, S.dtype)} = {tolerance:.2g} "
         f"({_dtype_name(S.dtype)})"
     )
 
@@ -472,7 +510,7 @@ def _check_positive_definite(xp: Any, A: Array, w: Array, function: str) -> None
     largest_first = float(xp.reshape(largest, (-1,))[first])
     if largest_first == 0:
         problem = "is zero (singular)"
-    elif math.isinf(largest_first):  # entries near the dtype's max: not singular, out of range
+    elif not math.isfinite(largest_first):  # entries near the dtype's max: out of range (JAX's eigh gives NaN)
         problem = (
             f"has an eigenvalue beyond {dtype}'s range (max|A| = {float(xp.max(xp.abs(_matrix(xp, A, first)))):.3g}): "
             "scale it down: inverse_sqrt(A) = inverse_sqrt(A / c) / sqrt(c)"
@@ -481,8 +519,8 @@ def _check_positive_definite(xp: Any, A: Array, w: Array, function: str) -> None
         problem = f"is not positive definite: lambda_min / max|lambda| = {value:.2g} (a negative eigenvalue, {dtype})"
     else:
         problem = (
-            f"is singular to working precision: |lambda_min| / max|lambda| = {abs(value):.2g} <= d eps = "
-            f"{tolerance:.2g} ({dtype})"
+            f"is singular to working precision: |lambda_min| / max|lambda| = {abs(value):.2g} <= "
+            f"{_cut_name(xp, A.dtype)} = {tolerance:.2g} ({dtype})"
         )
     raise LinalgInputError(f"{function}: {label} {problem}")
 
@@ -492,16 +530,19 @@ POLAR_DTYPE_NAMES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float64
 
 
 def default_polar_rtol(X: Array) -> float:
-    """The default relative cut of ``polar(X, method="svd")``: ``max(m, n) * eps`` of ``X``'s dtype.
+    """The default relative cut of ``polar(X, method="svd")``: ``max(m, n) * eps`` of the dtype its SVD runs in.
 
     The rank tolerance of ``numpy.linalg.matrix_rank``: singular values at or
     below ``max(m, n) * eps * sigma_max`` of each matrix count as zero. A
     matrix of rank ``r`` that is exact up to rounding in its dtype has its
-    other singular values at about ``eps * sigma_max``, below the cut.
+    other singular values at about ``eps * sigma_max``, below the cut. For
+    float16 and bfloat16 ``X`` the SVD runs in float32 and ``eps`` is
+    float32's (bfloat16's own cut whole matrices of side 128 to zero); until
+    2026-12-03 this function gave the half dtype's, which ``polar`` did not use.
     """
     xp = _check_float_matrices(X, "X")
     m, n = X.shape[-2], X.shape[-1]
-    return max(m, n) * float(xp.finfo(X.dtype).eps)
+    return max(m, n) * float(xp.finfo(_exact_dtype(xp, X).dtype).eps)
 
 
 @overload

@@ -297,11 +297,18 @@ def test_polar_svd_of_a_matrix_whose_norm_overflows(target: Target) -> None:
 
 def test_inverse_sqrt_eigh_names_an_eigenvalue_beyond_the_range() -> None:
     """eigh of an SPD matrix of entries near float64's max has an infinite eigenvalue; the check refused it
-    as "singular to working precision" (its kappa is 4) and now says what happened and what to do."""
+    as "singular to working precision" (its kappa is 4) and now says what happened and what to do. JAX's
+    eigh gives NaN eigenvalues there, not infinite ones: it was still "singular ... = nan" until
+    2026-12-03 (a user's hunt)."""
     base = np.array([[1.0, 0.6], [0.6, 1.0]])
     A = base * 1.2e308
     message = refusal(inverse_sqrt, A)
     assert "has an eigenvalue beyond float64's range (max|A| = 1.2e+308)" in message, message
+    for library in ("torch", "jax.numpy"):
+        module = pytest.importorskip(library)
+        if library == "jax.numpy":
+            pytest.importorskip("jax").config.update("jax_enable_x64", True)
+        assert "has an eigenvalue beyond float64's range" in refusal(inverse_sqrt, module.asarray(A)), library
     assert "inverse_sqrt(A) = inverse_sqrt(A / c) / sqrt(c)" in message
     # What the message says to do gives the root, base^(-1/2) / sqrt(1.2e308), to float64's rounding.
     np.testing.assert_allclose(inverse_sqrt(A / 1e300) / math.sqrt(1e300), inverse_sqrt(base) / math.sqrt(1.2e308),
@@ -459,6 +466,39 @@ def test_torch_compile() -> None:
         unchecked = torch.compile(lambda a: inverse_sqrt(a, check=False), backend="eager", fullgraph=True)
         torch.testing.assert_close(unchecked(good), inverse_sqrt(good), rtol=0, atol=1e-15)
     torch._dynamo.reset()
+
+
+def test_half_precision_cuts_are_float32s_and_measured_without_overflow() -> None:
+    """float16 and bfloat16 ``A``: the eigenvalues are computed in float32, and the cut is ``d eps`` of
+    float32 (at least 2 eps of ``A``'s dtype). With the half dtype's own ``d eps`` the cut reached 1 at
+    ``d = 128`` in bfloat16 and ``2 I`` was "singular"; and float16's ``||A||_F`` overflowed past a side of
+    about 200, so that a matrix far from symmetric passed the check (NumPy's eigh then read one triangle;
+    a user's hunt, 2026-12-03)."""
+    torch = pytest.importorskip("torch")
+    for dtype, d in ((torch.bfloat16, 128), (torch.float16, 1024)):  # where the dtype's own d eps reaches 1
+        cut = linalg.inverse_sqrt_tolerance(torch.eye(d, dtype=dtype))
+        assert cut == max(d * EPS["float32"], 2 * float(torch.finfo(dtype).eps)) < 0.02  # was 1.0
+    A = 2 * torch.eye(128, dtype=torch.bfloat16)
+    for method in METHODS["inverse_sqrt"]:
+        Z = inverse_sqrt(A, method=method)
+        assert Z.dtype == torch.bfloat16 and torch.allclose(Z.float(), torch.eye(128) / math.sqrt(2), atol=4e-3)
+    upper = np.eye(256) + np.triu(np.full((256, 256), 1.5), 1)  # ||A - A^T||_F / ||A||_F = 1.41
+    for A in (upper.astype(np.float16), torch.tensor(upper, dtype=torch.float16)):
+        for method in METHODS["inverse_sqrt"]:
+            assert "is not symmetric: ||A - A^T||_F / ||A||_F = 1.4 > max(d eps of float32, 2 eps of float16)" \
+                in refusal(inverse_sqrt, A, method=method)
+
+
+def test_the_checks_step_aside_under_torch_func_vmap() -> None:
+    """Every checked call raised vmap's "data-dependent control flow" error under ``torch.func.vmap``, where
+    ``jax.vmap`` leaves the checks out (a user's hunt, 2026-12-03): left out there too; the values are the
+    unbatched calls'."""
+    torch = pytest.importorskip("torch")
+    B = torch.randn(3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    S = B @ B.mT + torch.eye(4, dtype=torch.float64)
+    for function in (polar, lambda X: polar(X, method="svd"), inverse_sqrt):
+        batched = torch.func.vmap(function)(S)
+        torch.testing.assert_close(batched, torch.stack([function(X) for X in S]), rtol=1e-12, atol=1e-12)
 
 
 def test_the_optimizer_runs_no_check(monkeypatch: pytest.MonkeyPatch) -> None:
