@@ -44,6 +44,19 @@ __all__ = [
 EIGH_FLOPS_PER_CUBE = 9
 
 
+def _sides(**sides: object) -> None:
+    """A ``ValueError`` naming the first of ``sides`` (a matrix side or a step count) that is not a positive
+    integer: the counts took ``-3``, ``2.5`` and ``True`` and returned negative or fractional numbers
+    (a user's hunt, 2026-12-03)."""
+    for name, value in sides.items():
+        linalg._check_integer(name, value)
+
+
+def _block_size(block_size: object) -> Optional[int]:
+    """``block_size`` checked as ``FISMO(block_size=...)`` checks it (``True`` was taken as 1)."""
+    return linalg._check_integer("block_size", block_size, none_means="full factors")
+
+
 def _mm(p: int, q: int, r: int) -> int:
     return 2 * p * q * r
 
@@ -52,7 +65,8 @@ def block_sizes(d: int, block_size: Optional[int] = None) -> list[int]:
     """The diagonal block sizes of a ``d x d`` factor: ``[d]`` when ``block_size`` is None or
     ``d <= block_size``, else ``d // B`` blocks of ``B`` and, if ``B`` does not divide ``d``, a last
     block of ``d mod B`` (the convention of Distributed Shampoo and ``FISMO(block_size=B)``)."""
-    structure = factor_structure(d, block_size)
+    _sides(d=d)
+    structure = factor_structure(d, _block_size(block_size))
     if not isinstance(structure, BlockDiagonalFactor):
         return [d]
     return [structure.B] * structure.k + ([structure.r] if structure.r else [])
@@ -67,6 +81,7 @@ def _squares(d: int, block_size: Optional[int]) -> int:
 def polar_flops(m: int, n: int, steps: int = 5) -> int:
     """Products of ``linalg.polar`` (Newton–Schulz) on an ``m x n`` matrix: per step ``4 a^2 b + 2 a^3``,
     ``a = min(m, n)``, ``b = max(m, n)`` (the Gram matrix is formed on the short side)."""
+    _sides(m=m, n=n, steps=steps)
     a, b = min(m, n), max(m, n)
     return steps * (_mm(a, b, a) + _mm(a, a, a) + _mm(a, a, b))
 
@@ -81,6 +96,9 @@ def inverse_sqrt_flops(
     ``X = Z Y``; the first step has ``Z = I`` (no ``Z Y``, no ``T Z``), the last skips ``Y T``, and a
     triple with ``c = 0`` (the cubic) skips ``X^2``.
     """
+    _sides(d=d)
+    if method not in ("eigh", "newton_schulz"):  # any other name was counted as Newton–Schulz
+        raise ValueError(f"method must be 'eigh' or 'newton_schulz', got {method!r}")
     cube = _mm(d, d, d)
     if method == "eigh":
         return {"matmul": cube, "eigh": EIGH_FLOPS_PER_CUBE * d**3}
@@ -100,7 +118,8 @@ def step_flops(m: int, n: int, optimizer: Optional[FISMO] = None, *, refresh_roo
     update, without the roots), ``"roots"`` (matrix products of both inverse roots, with their
     fault checks when on), ``"eigh"`` (the eigendecompositions, if any, ``9 d^3`` each),
     ``"line 6"``, ``"line 8"`` (polar factor and un-whitening) and ``"total"`` (everything,
-    ``eigh`` included). ``refresh_roots=False`` is a step of ``InverseRootConfig(every=k)`` that
+    ``eigh`` included; with ``polar="svd"`` line 8 has the product ``U V^T`` and not the SVD itself,
+    which no product count describes and torch's counter does not see). ``refresh_roots=False`` is a step of ``InverseRootConfig(every=k)`` that
     reuses the cached roots (for ``m < n`` its line 6 is then ``P^{-1/2} (G Q^{-1/2})``, reusing
     line 4's product). For a batch of ``B`` matrices multiply by ``B``.
 
@@ -109,6 +128,11 @@ def step_flops(m: int, n: int, optimizer: Optional[FISMO] = None, *, refresh_roo
     the diagonal blocks of their Gram matrices, and the roots are taken block by block
     (``sum b_i^3`` instead of ``d^3``). The polar factor is that of the whole ``M``: unchanged.
     """
+    _sides(m=m, n=n)
+    if optimizer is not None and not all(hasattr(optimizer, a) for a in ("gamma", "polar", "inv_root", "nonfinite")):
+        # "muon" raised AttributeError: 'str' object has no attribute 'gamma'
+        raise TypeError(f"optimizer must be a fismo_core.FISMO (or None: its defaults), got {optimizer!r}; "
+                        "for Muon's step see muon_flops")
     opt = FISMO() if optimizer is None else optimizer
     block = getattr(opt, "block_size", None)
     # 2 x (sum of squared block sizes) x (the other side): one product with a (block-)diagonal factor.
@@ -130,7 +154,8 @@ def step_flops(m: int, n: int, optimizer: Optional[FISMO] = None, *, refresh_roo
     cached_wide = opt.gamma != 1.0 and not refresh_roots and m < n
     flops["line 6"] = left if cached_wide else right  # P^{-1/2} (G Q^{-1/2}) : (P^{-1/2} G) Q^{-1/2}
     polar = opt.polar
-    polar_products = polar_flops(m, n, polar.steps) if polar.method == "newton_schulz" else 0
+    # The SVD's polar factor is (U keep) V^T, one m x min(m, n) x n product (until 2026-12-03 not counted).
+    polar_products = polar_flops(m, n, polar.steps) if polar.method == "newton_schulz" else _mm(m, min(m, n), n)
     flops["line 8"] = polar_products + left + right
     flops["total"] = sum(flops.values())
     return flops
@@ -151,7 +176,8 @@ def state_elements(m: int, n: int, block_size: Optional[int] = None) -> int:
     ``n`` (``block_sizes``), which is at most ``m n + 2 (m + n) B``, with equality when ``B``
     divides both sides (or a side is one block of size exactly ``B``).
     """
-    return state_size(m, n, block_size)
+    _sides(m=m, n=n)
+    return state_size(m, n, _block_size(block_size))
 
 
 def muon_state_elements(m: int, n: int) -> int:

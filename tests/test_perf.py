@@ -5,11 +5,12 @@ on the documentation page "Performance")."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
 
-from fismo_core import FISMO
+from fismo_core import FISMO, perf
 from fismo_core.perf import (
     block_sizes,
     inverse_sqrt_flops,
@@ -32,6 +33,7 @@ CONFIGS = {
     "cubic": {"inv_root": {"method": "newton_schulz", "coefficients": "cubic"}},
     "cubic-7": {"inv_root": {"method": "newton_schulz", "coefficients": "cubic", "steps": 7}},
     "polar_express-polar": {"polar": {"coefficients": "polar_express", "steps": 8}},
+    "svd-polar": {"polar": "svd"},  # U V^T was left out of line 8 until 2026-12-03 (a user's hunt)
     "gamma1": {"gamma": 1.0},
     "nesterov-scale-invariant": {"nesterov": True, "statistics": "scale_invariant"},
     # Blocks of 16: 24 = 16 + 8 (a remainder), 40 = 16 + 16 + 8, 16 = one block (the full factor).
@@ -323,3 +325,20 @@ def test_all_finite_agrees_with_isfinite(bad) -> None:
         X[1, 2, 3] = bad
     assert torch.equal(all_finite(xp, X, axis=(-2, -1)), torch.isfinite(X).all(dim=(-2, -1)))
     assert bool(all_finite(xp, X)) == bool(torch.isfinite(X).all())
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: perf.step_flops(-3, 5), "m must be a positive integer, got -3"),
+    (lambda: perf.polar_flops(64, 64, steps=2.5), "steps must be a positive integer, got 2.5"),
+    (lambda: perf.polar_flops(64, 64, steps=0), "steps must be a positive integer, got 0"),
+    (lambda: perf.inverse_sqrt_flops(64, "svd"), "method must be 'eigh' or 'newton_schulz', got 'svd'"),
+    (lambda: perf.state_elements(8, 8, block_size=True), "block_size must be None"),
+    (lambda: perf.block_sizes(4, True), "block_size must be None"),
+])
+def test_counts_refuse_what_is_no_size(call, message) -> None:
+    """Negative, fractional and boolean sizes gave negative or fractional counts, an unknown method the
+    Newton–Schulz count, ``True`` a block of 1 (a user's hunt, 2026-12-03): refused, naming the argument."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+    with pytest.raises(TypeError, match="optimizer must be a fismo_core.FISMO"):
+        perf.step_flops(4, 4, "muon")
