@@ -167,7 +167,7 @@ def newton_schulz_schedule(
         safety = _NORMALIZATION_SAFETY[coefficients]
     else:
         try:
-            triples = tuple(tuple(_float_or_inf(v) for v in t) for t in coefficients)
+            triples = tuple(tuple(_coefficient(v) for v in t) for t in coefficients)
         except TypeError:  # None, a number, or one flat (a, b, c): Python's "'float' object is not iterable"
             raise ValueError(
                 "explicit Newton–Schulz coefficients must be a non-empty sequence of (a, b, c) triples, got "
@@ -183,6 +183,14 @@ def newton_schulz_schedule(
         safety = 1.0
     schedule = tuple(triples[min(k, len(triples) - 1)] for k in range(steps))
     return schedule, safety  # type: ignore[return-value]
+
+
+def _coefficient(v: Any) -> float:
+    """One Newton–Schulz coefficient as a float; a ``TypeError`` for text, which ``float`` read as a number
+    (``["123"]`` was the triple (1, 2, 3), ``("1.5", "-0.5", "0")`` numbers; a user's hunt, 2026-12-03)."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+        raise TypeError(f"not a number: {v!r}")
+    return _float_or_inf(v)
 
 
 def _float_or_inf(v: Any) -> float:
@@ -750,7 +758,9 @@ def polar(
     checked = _check_flag(check)
     # Comparisons, not math.isfinite: torch.compile(dynamic=True) reads a cached core's eps as a symbolic
     # float, which comparisons guard on and math.isfinite breaks the graph at (NaN fails both).
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
+    # An int past float's range (10**400) compares below inf and raised OverflowError at float() below.
+    if (isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf
+            or (isinstance(eps, numbers.Integral) and eps > sys.float_info.max)):
         raise ValueError(f"eps must be a finite number > 0 (the smallest norm normalised by), got {eps!r}")
     if method not in ("svd", "newton_schulz"):
         raise ValueError(f"unknown polar method {method!r}: use 'newton_schulz' or 'svd'")

@@ -328,6 +328,10 @@ HYPERPARAMETER_ERRORS = [
     ({"polar": {"coefficients": []}}, ValueError, r"sequence of \(a, b, c\) triples"),
     ({"polar": {"coefficients": [(math.nan, 0.0, 0.0)]}}, ValueError, r"coefficients must be finite"),
     ({"polar": {"coefficients": [(10**400, 0.0, 0.0)]}}, ValueError, r"coefficients must be finite"),  # was an OverflowError
+    # Text was read by float(): ["123"] was the triple (1, 2, 3) (a user's hunt, 2026-12-03).
+    ({"polar": {"coefficients": ["123"]}}, ValueError, r"sequence of \(a, b, c\) triples, got \('123',\)"),
+    ({"polar": {"coefficients": [("1.5", "-0.5", "0")]}}, ValueError, r"sequence of \(a, b, c\) triples"),
+    ({"polar": {"coefficients": [{"a": 1, "b": 2, "c": 3}]}}, ValueError, r"sequence of \(a, b, c\) triples"),
     ({"polar": {"method": "svd", "rtol": 10**400}}, ValueError, r"polar rtol must be None or a real number in \[0, 1\)"),
     ({"polar": {"eps": 0.0}}, ValueError, r"polar eps must lie in \(0\.0, inf\), got 0\.0"),
     ({"polar": {"eps": math.inf}}, ValueError, r"polar eps must be a finite real number, got inf"),

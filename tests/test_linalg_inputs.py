@@ -489,6 +489,13 @@ def test_half_precision_cuts_are_float32s_and_measured_without_overflow() -> Non
                 in refusal(inverse_sqrt, A, method=method)
 
 
+def test_polar_refuses_an_eps_past_floats_range_by_name() -> None:
+    """``eps=10**400`` passed the range check (an int compares below inf) and raised a bare ``OverflowError``
+    at ``float(eps)`` (a user's hunt, 2026-12-03)."""
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0"):
+        polar(np.eye(3), eps=10**400)
+
+
 def test_the_checks_step_aside_under_torch_func_vmap() -> None:
     """Every checked call raised vmap's "data-dependent control flow" error under ``torch.func.vmap``, where
     ``jax.vmap`` leaves the checks out (a user's hunt, 2026-12-03): left out there too; the values are the
