@@ -1,8 +1,11 @@
-"""Checks on output paths, made before a long run rather than after it."""
+"""Output paths: checked before a long run rather than after it, and written all or nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
@@ -19,3 +22,34 @@ def cannot_write_in(directory: Union[str, Path]) -> Optional[str]:
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
+
+
+class StagedFiles:
+    """Files written as ``.NAME.part`` beside their names and renamed over them once every one is written
+    (`staged_files`): a write that fails (a full disk, Ctrl-C, a folder in a file's place) leaves the
+    directory as it was, not a truncated file (``fismo verify --save`` truncated the reference it replaced)
+    nor half of a set (``fismo demo``'s report; users' hunts, 2026-12-03)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.parts: dict[str, Path] = {}
+
+    def __call__(self, name: str) -> Path:
+        """Where to write file ``name`` for now."""
+        self.parts[name] = self.directory / f".{name}.part"
+        return self.parts[name]
+
+
+@contextlib.contextmanager
+def staged_files(directory: Union[str, Path]) -> Iterator[StagedFiles]:
+    """A `StagedFiles` in ``directory``: on leaving, each part is renamed over its name; on an exception, the
+    parts are removed and the files that were there stay."""
+    staged = StagedFiles(Path(directory))
+    try:
+        yield staged
+        for name, part in staged.parts.items():
+            os.replace(part, staged.directory / name)
+    except BaseException:
+        for part in staged.parts.values():
+            part.unlink(missing_ok=True)
+        raise

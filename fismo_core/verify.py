@@ -36,7 +36,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import zipfile
 import zlib
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from . import __version__
-from ._paths import cannot_write_in
+from ._paths import cannot_write_in, staged_files
 from .linalg import _check_integer
 from .optimizer import FISMO, InverseRootConfig, PolarConfig
 from .testing import (
@@ -413,19 +412,10 @@ class Reference:
             **described,
             "checksum": checksum,
         }
-        # Written beside it and renamed over it: a write that fails (a full disk, Ctrl-C) leaves the file that
-        # was there, not a truncated one (until 2026-12-03 it truncated a good reference).
         path = Path(path)
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", suffix=".part",
-                                         delete=False) as f:  # a file object: np.savez would append ".npz"
-            part = Path(f.name)
-            try:
-                np.savez_compressed(f, manifest=np.array(json.dumps(manifest)), **arrays)
-            except BaseException:
-                f.close()
-                part.unlink()
-                raise
-        os.replace(part, path)
+        with staged_files(path.parent) as staged, open(staged(path.name), "wb") as f:
+            # A file object: np.savez would append ".npz" to a name without it.
+            np.savez_compressed(f, manifest=np.array(json.dumps(manifest)), **arrays)
         return checksum
 
     @classmethod

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._paths import StagedFiles, staged_files
 from .optimizers import CONDITION_OPTIMIZERS, control_base, control_change
 from .run import DemoResults
 from .train import RunResult
@@ -644,29 +645,6 @@ FIGURES = tuple(f"{task}_{kind}.png" for task in ("digits", "text")
                 for kind in ("loss", "condition", "preconditioner", "blocks"))
 
 
-class _Staged:
-    """The report's files, each written as ``.NAME.part`` beside its name and renamed over it once every one is
-    written: a write that fails (a full disk, a folder in a file's place) leaves ``out`` as it was, not a
-    truncated figure and half of the tables (until 2026-12-03, a user's hunt)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.parts: dict[str, Path] = {}
-
-    def __call__(self, name: str) -> Path:
-        """Where to write file ``name`` for now."""
-        self.parts[name] = self.out / f".{name}.part"
-        return self.parts[name]
-
-    def commit(self) -> None:
-        for name, part in self.parts.items():
-            os.replace(part, self.out / name)
-
-    def discard(self) -> None:
-        for part in self.parts.values():
-            part.unlink(missing_ok=True)
-
-
 def in_the_way(out: Path) -> None:
     """An `IsADirectoryError` if a folder in ``out`` has the name of a file of the report (`TABLES`, `FIGURES`):
     found after the runs, it left half of the report written (a user's hunt, 2026-12-03)."""
@@ -680,25 +658,20 @@ def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, li
 
     The PNG figures need matplotlib; without it the report says so and no
     figure is written. All or nothing: an `OSError` leaves ``out`` as it
-    was (`_Staged`). Figures of an earlier run in ``out`` (`FIGURES`) that
+    was (`fismo_core._paths.staged_files`). Figures of an earlier run in ``out`` (`FIGURES`) that
     this run does not draw are removed, so that the folder is this run's.
     Returns the markdown report (also printed by the CLI) and the names of
     the files written, in order.
     """
     in_the_way(out)
-    staged = _Staged(out)
-    try:
+    with staged_files(out) as staged:
         report, written = _write_report(results, out, command, staged)
-        staged.commit()
-    except BaseException:
-        staged.discard()
-        raise
     for stale in set(FIGURES) - set(written):
         (out / stale).unlink(missing_ok=True)
     return report, written
 
 
-def _write_report(results: DemoResults, out: Path, command: str, staged: _Staged) -> tuple[str, list[str]]:
+def _write_report(results: DemoResults, out: Path, command: str, staged: StagedFiles) -> tuple[str, list[str]]:
     """`write_report`, each file written to ``staged(name)``."""
     try:
         import matplotlib
