@@ -322,12 +322,19 @@ def check_states_fit(param_groups: list, state: Any) -> None:
     another shape comes from a resized parameter (a grown vocabulary, a widened layer). Every parameter with a
     gradient, and every AdamW moment, must have memory of its own (`self_overlaps`): an expanded tensor appended
     to a group's list or set as ``p.data`` since the group's checks made torch raise at the in-place update."""
+    eager = not torch.compiler.is_compiling()  # dynamo cannot trace is_inference (torch 2.13)
     for index, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if self_overlaps(p):  # appended to an AdamW group's list, or p.data replaced, since it was checked
                 refuse_self_overlap(p, param_name(group, i, index, shape=False))
+            if eager and p.is_inference():  # torch raised at its in-place update, after the states were written
+                raise RuntimeError(
+                    f"{param_name(group, i, index, shape=False)} is an inference tensor (made inside "
+                    "torch.inference_mode()), which no step can update in place; nothing was stepped. Optimise a "
+                    "normal tensor: make it outside inference mode, or clone it there (p.clone())"
+                )
             s = state.get(p)
             if not s:
                 continue

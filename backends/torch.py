@@ -31,7 +31,7 @@ import functools
 import math
 import numbers
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
@@ -133,6 +133,25 @@ def _listed_with_devices(params: Any) -> tuple[Any, set]:
         devices.update(t.device for t in map(tensor_of, members) if isinstance(t, torch.Tensor))
         listed.append(item)
     return listed, devices
+
+
+def _outside_inference_mode() -> contextlib.AbstractContextManager:
+    """A step called inside ``torch.inference_mode()`` (an evaluation loop wrapped whole) runs as outside it.
+
+    The states it made there were inference tensors, which the next step outside cannot update in place:
+    it raised after writing ``P`` (``torch.optim.AdamW`` fails so too). ``inference_mode(False)`` turns
+    grad mode back on, hence ``no_grad`` inside it. Dynamo cannot trace the question (torch 2.13); a
+    compiled step is left as it is.
+    """
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    return _normal_tensors()
+
+
+@contextlib.contextmanager
+def _normal_tensors() -> Iterator[None]:
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 @foreign_keywords(
@@ -488,7 +507,8 @@ class FISMO(Optimizer):
         # A step called inside torch.autocast (a training step wrapped whole) would run FISMO's products in
         # bfloat16/float16 (test_a_step_inside_autocast_equals_one_outside).
         with (torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext()), \
-                (torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()):
+                (torch.autocast("cuda", enabled=False) if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()), \
+                _outside_inference_mode():
             self._step()
         return loss
 

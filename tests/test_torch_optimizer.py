@@ -6,6 +6,7 @@ Every tolerance says where its number comes from.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -327,6 +328,49 @@ def test_a_state_loaded_inside_inference_mode_steps_outside_it():
             assert not any(v.is_inference() for s in opt.state.values() for v in s.values()
                            if isinstance(v, torch.Tensor))
     assert torch.equal(W, twin[0]) and torch.equal(b, twin[1])
+
+
+def test_a_step_inside_inference_mode_steps_as_outside_it():
+    """A step under ``torch.inference_mode()`` (an evaluation loop wrapped whole) made its new states inference
+    tensors; the next step outside raised "Inplace update to inference tensor" after writing ``P`` (as
+    torch.optim.AdamW's does). It steps as outside now: normal states, the run bit for bit the one outside.
+    Grad mode stays off in the step (``inference_mode(False)`` alone turns it on: the in-place update of a
+    parameter that requires grad then raises), and the caller's inference mode is back after it."""
+    gen = torch.Generator().manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(4, 3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))
+    grads = [(torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)) for _ in range(3)]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in (W, b)]
+
+    def build(params):
+        return FISMO([{"params": [params[0]]}, {"params": [params[1]], "algorithm": "adamw"}], lr=0.02)
+
+    opt, outside = build([W, b]), build(twin)
+    modes = []
+    opt.register_step_post_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
+    for t, (gW, gb) in enumerate(grads):
+        W.grad, b.grad = gW.clone(), gb.clone()
+        twin[0].grad, twin[1].grad = gW.clone(), gb.clone()
+        with torch.inference_mode() if t == 0 else contextlib.nullcontext():
+            opt.step()
+        outside.step()
+    assert modes == [True, False, False]  # the hooks run in the caller's mode
+    assert not any(v.is_inference() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    assert torch.equal(W, twin[0]) and torch.equal(b, twin[1])
+    assert not W.is_inference() and W.grad_fn is None
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_an_inference_tensor_parameter_is_refused_before_the_step(inside):
+    """A parameter made inside ``torch.inference_mode()`` cannot be updated in place outside it: torch raised
+    at the update, after the states were written. Refused by name first, nothing written."""
+    with torch.inference_mode():
+        W = torch.randn(4, 3)
+    opt = FISMO([W], lr=0.02)
+    W.grad = torch.randn(4, 3)
+    with torch.inference_mode() if inside else contextlib.nullcontext():
+        with pytest.raises(RuntimeError, match="parameter 0 of param group 0 is an inference tensor"):
+            opt.step()
+    assert not opt.state
 
 
 @pytest.mark.parametrize("setting, value", [("lr", 1e-3), ("eps", 1e-6), ("weight_decay", 0.05), ("betas", (0.8, 0.99))])
