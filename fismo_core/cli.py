@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run seeded Gaussian gradient streams and gradients recorded from real models through "
         "FISMO on every installed backend, device and dtype; compare every line of Algorithm 1 at every step "
         "with NumPy float64; print the worst relative error and, on failure, the first step and line that "
-        "left the tolerance. Exit status: 0 all passed, 1 a target failed, 2 usage or reference-file error.",
+        "left the tolerance. Exit status: 0 all passed, 1 a target failed, 2 usage or reference-file error, 130 "
+        "interrupted (Ctrl-C).",
     )
     verify.add_argument("--steps", type=int, default=None,
                         help="steps of the Gaussian streams (default 50); the recorded streams run min(steps, 16)")
@@ -62,9 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status of a command ended by Ctrl-C, as a shell reports one killed by SIGINT (128 + 2).
+INTERRUPTED = 130
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``fismo``: parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return _run(args, argv)
+    except KeyboardInterrupt:  # one line, not a traceback; nothing is half-written (verify's --save, the report)
+        if args.command == "demo":
+            unwritten = f"; no report was written to {args.out}"
+        else:
+            unwritten = "" if args.save is None else f"; no reference was written to {args.save}"
+        print(f"\nfismo {args.command}: interrupted{unwritten}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
+    """Run the command ``args`` names (``argv``: as `main` was given it, for the demo's record of the command)."""
     usage_error = args.command_parser.error  # "usage: fismo verify ..." and "fismo verify: error: ..."
     if args.command == "verify":
         if args.steps is not None and args.steps < 1:

@@ -46,6 +46,7 @@ from typing import Any, Optional, TextIO
 
 from . import __version__
 from ._paths import cannot_write_in, staged_files
+from ._workers import end_quietly_on_interrupt
 from .linalg import _check_integer
 from .optimizer import FISMO, InverseRootConfig, PolarConfig
 from .testing import (
@@ -618,12 +619,20 @@ def _shut_jax_pool() -> None:
         _POOL = None
 
 
-def _worker_cpu_seconds() -> float:
-    """CPU seconds the JAX worker has used so far (0 when it has not been started)."""
-    return 0.0 if _POOL is None else _POOL.submit(time.process_time).result()
+def _worker_cpu_seconds() -> Optional[float]:
+    """CPU seconds the JAX worker has used so far: 0 when it has not been started, ``None`` when it ended
+    early (killed, out of memory; `verify` then checked JAX in this process)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if _POOL is None:
+        return 0.0
+    try:
+        return _POOL.submit(time.process_time).result()
+    except BrokenProcessPool:  # the time line raised this, a traceback under the finished table
+        return None
 
 
-def _time_taken(wall_start: float, cpu_start: float, worker_start: float) -> str:
+def _time_taken(wall_start: float, cpu_start: float, worker_start: Optional[float]) -> str:
     """The line ``fismo verify`` ends with: wall time, and CPU time here and in the JAX worker.
 
     CPU time is what carries over between machines of the same speed: the
@@ -632,12 +641,17 @@ def _time_taken(wall_start: float, cpu_start: float, worker_start: float) -> str
     """
     wall = time.perf_counter() - wall_start
     here = time.process_time() - cpu_start
-    worker = _worker_cpu_seconds() - worker_start
+    worker_now = _worker_cpu_seconds()
+    if worker_now is None or worker_start is None:
+        return (f"time: {wall:.1f} s wall, {here:.1f} s CPU in this process (the JAX worker ended early: its "
+                "CPU time is unknown)")
+    worker = worker_now - worker_start
     return (f"time: {wall:.1f} s wall, {here + worker:.1f} s CPU ({here:.1f} s in this process, "
             f"{worker:.1f} s in the JAX worker)")
 
 
 def _jax_worker_init() -> None:
+    end_quietly_on_interrupt()
     targets(backends=["jax"])  # imports JAX and switches on x64, as in the parent
 
 

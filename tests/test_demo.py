@@ -729,6 +729,38 @@ def test_command_line_runs_and_reports(tmp_path: Path) -> None:
     assert not re.search(r"^\|[^\n]*\|\n\|[ -:|]*\|\n(?!\|)", report, re.M), "a table with no rows"
 
 
+def test_ctrl_c_ends_the_demo_with_one_line(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during the runs printed Python's traceback in the command and one more in each worker (8 for
+    ``--quick`` with 2 jobs; a user's hunt, 2026-12-03). The command prints one line and returns the
+    shell's status for SIGINT, 130; the report, written after the runs, is not there."""
+    def interrupted(config, progress, journal):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", interrupted)
+    assert cli_main(["demo", "--quick", "--out", str(tmp_path), "--no-progress"]) == 130
+    assert capsys.readouterr().err == f"\nfismo demo: interrupted; no report was written to {tmp_path}\n"
+    assert not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_ends_a_demo_worker_without_a_traceback() -> None:
+    """The demo's worker processes end on SIGINT as a process does, silently, not with a traceback each."""
+    script = (
+        "import os, signal\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # a command run from a terminal\n"
+        "from fismo_core.demo.run import worker_pool\n"
+        "with worker_pool(1) as pool:\n"
+        "    assert pool.submit(int, 7).result() == 7\n"
+        "    worker = next(iter(pool._processes.values()))\n"
+        "    os.kill(worker.pid, signal.SIGINT)\n"
+        "    worker.join(5)\n"
+        "    print(worker.exitcode)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(-2)  # killed by SIGINT (2)
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("missing", ["torch", "sklearn"])
 def test_demo_without_torch_or_scikit_learn_says_what_to_install(missing: str, capsys,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

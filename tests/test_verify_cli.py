@@ -849,3 +849,60 @@ def test_jax_worker_exits_cleanly() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "7", done.stderr
     for noise in ("Exception ignored", "leaked semaphore", "Traceback"):
         assert noise not in done.stderr, done.stderr
+
+
+_WORKER_AND_CTRL_C = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, {disposition})  # as the shell left it: a terminal's command, or one started with &
+from fismo_core.verify import _jax_pool, _time_taken, _worker_cpu_seconds
+pool = _jax_pool()
+assert pool.submit(int, 7).result() == 7
+start = _worker_cpu_seconds()
+worker = next(iter(pool._processes.values()))
+os.kill(worker.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends every process of the command
+worker.join(5)
+print("alive" if worker.is_alive() else "ended", worker.exitcode)
+print(_time_taken(time.perf_counter(), time.process_time(), start))
+"""
+
+
+@pytest.mark.skipif(not JAX, reason="JAX is not installed")
+def test_ctrl_c_ends_the_jax_worker_without_a_traceback() -> None:
+    """Ctrl-C reaches the JAX worker too: it printed its own ``KeyboardInterrupt`` traceback under the command's
+    line, and the time line then raised ``BrokenProcessPool`` (another traceback, after the finished table;
+    a user's hunt, 2026-12-03). The worker now ends as SIGINT ends a process, silently, and the time line says
+    that its CPU time is unknown."""
+    done = subprocess.run([sys.executable, "-c", _WORKER_AND_CTRL_C.format(disposition="signal.default_int_handler")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    state, time_line = done.stdout.splitlines()
+    assert state == f"ended {-2}"  # killed by SIGINT (2), not a Python exit
+    assert "the JAX worker ended early: its CPU time is unknown" in time_line, time_line
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not JAX, reason="JAX is not installed")
+def test_a_command_that_ignores_ctrl_c_keeps_its_jax_worker() -> None:
+    """Started in the background by a shell script (``fismo verify &``), the command ignores SIGINT, and so
+    must its worker: ending it there would leave the command running without it."""
+    done = subprocess.run([sys.executable, "-c", _WORKER_AND_CTRL_C.format(disposition="signal.SIG_IGN")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    state, time_line = done.stdout.splitlines()
+    assert state == "alive None"
+    assert re.search(r"s in the JAX worker\)$", time_line), time_line
+
+
+@pytest.mark.parametrize("argv, unwritten", [
+    (["verify", "--steps", "2"], ""),
+    (["verify", "--steps", "2", "--save", "ref.npz"], "; no reference was written to ref.npz"),
+])
+def test_ctrl_c_ends_verify_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys, argv, unwritten) -> None:
+    """Ctrl-C printed Python's ``KeyboardInterrupt`` traceback; now one line and the shell's status for
+    SIGINT, 130 (the reference is written after the table, staged: an interrupted run leaves none)."""
+    def interrupted(**kwargs: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_mod, "main", interrupted)
+    assert cli_main(argv) == 130
+    assert capsys.readouterr().err == f"\nfismo verify: interrupted{unwritten}\n"
