@@ -182,4 +182,5 @@ def state_elements(m: int, n: int, block_size: Optional[int] = None) -> int:
 
 def muon_state_elements(m: int, n: int) -> int:
     """Array elements of a Muon state for one ``m x n`` matrix: its momentum buffer, ``m n``."""
+    _sides(m=m, n=n)
     return m * n

@@ -334,6 +334,8 @@ def test_all_finite_agrees_with_isfinite(bad) -> None:
     (lambda: perf.inverse_sqrt_flops(64, "svd"), "method must be 'eigh' or 'newton_schulz', got 'svd'"),
     (lambda: perf.state_elements(8, 8, block_size=True), "block_size must be None"),
     (lambda: perf.block_sizes(4, True), "block_size must be None"),
+    (lambda: perf.muon_state_elements(-3, 2), "m must be a positive integer, got -3"),  # gave -6 (2026-12-03)
+    (lambda: perf.muon_state_elements(4, 2.5), "n must be a positive integer, got 2.5"),
 ])
 def test_counts_refuse_what_is_no_size(call, message) -> None:
     """Negative, fractional and boolean sizes gave negative or fractional counts, an unknown method the

@@ -65,7 +65,7 @@ def test_jobs_below_one_is_a_usage_error_naming_the_option(capsys):
     with pytest.raises(SystemExit) as exit_info:
         study.main(["--jobs", "0", "--out", "unused"])
     assert exit_info.value.code == 2
-    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+    assert "argument --jobs: must be a positive integer, got 0" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the lr search

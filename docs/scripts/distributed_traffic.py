@@ -12,21 +12,23 @@ matrices are GPT-2's divided by 16 in each dimension (144x48, ...): every
 message of the step is a set of whole shards of a gradient or a direction, so
 its size is exactly 16^2 = 256 times smaller than at full size (the shapes
 divide evenly by 2, 4 and 8 at both sizes, so no padding differs), and the
-script prints the full-size figures. ``torch.optim.AdamW`` on the same
-``DTensor`` s is counted the same way. The owners' load balance is the
-adapter's cost model (``m^3 + n^3 + m n min(m, n)`` per matrix) at full size,
-from the owner table of the run.
+script prints the full-size figures. ``--worlds`` refuses a world size that
+does not divide the small matrices' rows (``EXACT_WORLDS``: the divisors of
+48): their uneven shards would not scale to the full size's exactly.
+``torch.optim.AdamW`` on the same ``DTensor`` s is counted the same way. The
+owners' load balance is the adapter's cost model (``m^3 + n^3 + m n min(m, n)``
+per matrix) at full size, from the owner table of the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,9 @@ import torch.multiprocessing as mp
 
 SCALE = 16
 GPT2_SMALL = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12
+#: The world sizes whose figures are exact: the divisors of every row count of the matrices run (144, 48, 192).
+_ROWS = math.gcd(*(m // SCALE for m, _ in GPT2_SMALL))
+EXACT_WORLDS = [w for w in range(1, _ROWS + 1) if _ROWS % w == 0]
 
 
 def _count_collectives(counts: dict) -> None:
@@ -130,9 +135,16 @@ def measure(world: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--worlds", type=positive_int, nargs="+", default=[2, 4, 8],
+                        help=f"world sizes, each one of {', '.join(map(str, EXACT_WORLDS))} (default: 2 4 8)")
     args = parser.parse_args(argv)
+    inexact = [w for w in args.worlds if w not in EXACT_WORLDS]
+    if inexact:
+        parser.error(f"--worlds {' '.join(map(str, inexact))}: the full-size figures are exact only for world sizes "
+                     f"that divide the matrices' rows evenly: {', '.join(map(str, EXACT_WORLDS))}")
     params_bytes = sum(m * n for m, n in GPT2_SMALL) * 4
     print(f"GPT-2 small's 48 matrices: {sum(m * n for m, n in GPT2_SMALL) / 1e6:.1f} M parameters, "
           f"{params_bytes / 2**20:.0f} MiB in float32; FSDP2's own gradient reduce-scatter sends about "

@@ -23,7 +23,6 @@ would show as growth.
 from __future__ import annotations
 
 import argparse
-import math
 
 import numpy as np
 

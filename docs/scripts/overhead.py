@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from benchmarks.bench_overhead import (  # noqa: E402
     CONFIG_LABELS,
     COUNT_SCALE,
+    GPT2_LAYER,
     GPT2_LAYERS,
     GPT_CONFIGS,
     OVERHEAD_CONFIGS,
@@ -343,34 +344,57 @@ def training_step_section(repeats: int) -> None:
     print()
 
 
+def scale_error(option: str, scale: int, configs: list[str]) -> Optional[str]:
+    """Why ``scale`` cannot divide GPT-2's sides and the block sizes of ``configs`` (``gpt2_shapes`` and
+    ``make_optimizer`` of ``bench_overhead`` need both), or None."""
+    sides = {side for shape in GPT2_LAYER for side in shape}
+    sides |= {kwargs["block_size"] for kwargs in map(OVERHEAD_CONFIGS.get, configs) if kwargs and "block_size" in kwargs}
+    if all(side % scale == 0 for side in sides):
+        return None
+    return f"{option} {scale} must divide GPT-2's sides and the block sizes counted ({', '.join(map(str, sorted(sides)))})"
+
+
 def main() -> None:
+    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(OVERHEAD_CONFIGS), choices=list(OVERHEAD_CONFIGS),
                         help="configurations to count (default: all)")
-    parser.add_argument("--scale", type=int, default=COUNT_SCALE, help="divide every side by this (1: full size)")
-    parser.add_argument("--layers", type=int, default=GPT2_LAYERS, help="GPT-2 layers (4 matrices each)")
-    parser.add_argument("--breakdown", nargs="*", default=["propagate", "default"],
-                        help="configurations whose operations are broken down by phase and call site")
-    parser.add_argument("--top", type=int, default=15, help="call sites listed per breakdown")
+    parser.add_argument("--scale", type=positive_int, default=COUNT_SCALE, help="divide every side by this (1: full size)")
+    parser.add_argument("--layers", type=positive_int, default=GPT2_LAYERS, help="GPT-2 layers (4 matrices each)")
+    parser.add_argument("--breakdown", nargs="*", choices=list(OVERHEAD_CONFIGS), metavar="CONFIG",
+                        help="configurations among --configs whose operations are broken down by phase and call site "
+                             "(default: propagate and default, where counted)")
+    parser.add_argument("--top", type=positive_int, default=15, help="call sites listed per breakdown")
     parser.add_argument("--no-gpt", action="store_true", help="skip the small-GPT timings")
     parser.add_argument("--no-compile", action="store_true", help="time the small GPT eagerly only")
     parser.add_argument("--gpt-configs", nargs="+", default=GPT_CONFIGS, choices=GPT_CONFIGS)
-    parser.add_argument("--repeats", type=int, default=21, help="interleaved repeats of the small-GPT timings")
-    parser.add_argument("--verify-scale", type=int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=21, help="interleaved repeats of the small-GPT timings")
+    parser.add_argument("--verify-scale", type=positive_int, default=None,
                         help="count again with sides divided by this (1: GPT-2's full size) and compare")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--compile-mode", default=None, choices=["default", "lite"],
                         help="torch.compile's mode for the small GPT ('lite': inductor calls ATen for every op)")
     parser.add_argument("--training-step", action="store_true",
                         help="only the whole training step of the text GPT, FISMO.training against Muon (4.)")
     args = parser.parse_args()
-    if args.threads:
+    configs = list(dict.fromkeys(["muon", *args.configs]))
+    if args.breakdown is None:
+        breakdown = [c for c in ("propagate", "default") if c in configs]
+    else:
+        breakdown = args.breakdown
+        missing = [c for c in breakdown if c not in configs]
+        if missing:
+            parser.error(f"--breakdown {' '.join(missing)}: not counted; add it to --configs ({' '.join(configs)})")
+    for option, scale in (("--scale", args.scale), ("--verify-scale", args.verify_scale)):
+        error = scale_error(option, scale, configs) if scale is not None else None
+        if error:
+            parser.error(error)
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.training_step:
         training_step_section(max(3, args.repeats // 2))
         return
-    configs = list(dict.fromkeys(["muon", *args.configs]))
-    breakdown = [c for c in args.breakdown if c in configs]
     os.chdir(ROOT)  # call sites relative to the repository
     counts_section(configs, args.scale, args.layers, breakdown, args.top, args.verify_scale)
     if not args.no_gpt:

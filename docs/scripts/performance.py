@@ -317,6 +317,7 @@ def section_models(repeats: int, models: list, names: list, device: str, without
     ``without_torch_muon``: leave ``torch.optim.Muon`` out (on a CPU without bfloat16 instructions
     its bfloat16 iteration is emulated, many times slower than float32)."""
     import torch
+    from fismo_core._paths import staged_files
 
     results = load_model_results(store)
     for model in models:
@@ -359,7 +360,8 @@ def section_models(repeats: int, models: list, names: list, device: str, without
                 **run,
             }
         store.parent.mkdir(parents=True, exist_ok=True)
-        store.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        with staged_files(store.parent) as staged:  # written whole or not at all
+            staged(store.name).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         print(f"<!-- {model} on {device}: {len(times)} rows in {time.time() - started:.0f} s -->")
     print_model_tables(device, store)
     plot_models(device, store)
@@ -568,33 +570,48 @@ def section_training_deviation(steps: int, block_size: int = 192) -> None:
 
 
 def main() -> None:
+    from _arguments import output_file, positive_int  # docs/scripts/, on sys.path when the script runs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--only", choices=["memory", "functions", "flops", "batched", "steps", "plot", "models", "threads",
                                            "deviation", "bf16"])
-    parser.add_argument("--steps", type=int, default=100, help="deviation section: steps of the gradient stream")
-    parser.add_argument("--block", type=int, nargs="+", default=[192, 128],
+    parser.add_argument("--steps", type=positive_int, default=100, help="deviation section: steps of the gradient stream")
+    parser.add_argument("--block", type=positive_int, nargs="+", default=[192, 128],
                         help="deviation section: block sizes (192 and 128 stand for GPT-2's 768 and 512)")
-    parser.add_argument("--model", nargs="+", default=PAGE_MODELS, choices=list(MODEL_SETS),
-                        help="models section: which model sets (default: %(default)s)")
-    parser.add_argument("--names", nargs="+", default=MODEL_VARIANTS + MODEL_ANCHORS,
-                        help="models section: which FISMO variants and anchors (default: all)")
+    parser.add_argument("--model", nargs="+", default=PAGE_MODELS, choices=PAGE_MODELS,
+                        help="models section: which model sets (default: %(default)s; llama-4096x11008 is the asv "
+                             "suite's only)")
+    parser.add_argument("--names", nargs="+", default=MODEL_VARIANTS + MODEL_ANCHORS, metavar="NAME",
+                        choices=list(dict.fromkeys([*MODEL_VARIANTS, *MODEL_ANCHORS, *VARIANTS])),
+                        help="models section: which FISMO variants (benchmarks.common.VARIANTS) and anchors "
+                             "(default: all of the page's)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="models section: torch device")
     parser.add_argument("--tables", action="store_true", help="models section: time nothing; print the stored tables and redraw their plot")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--without-torch-muon", action="store_true",
                         help="models section: time torch.optim.Muon not at all (CPUs without bfloat16 instructions)")
-    parser.add_argument("--json", type=Path, help="models section: store the rows in this file (and its plot beside it) "
+    parser.add_argument("--json", type=output_file, help="models section: store the rows in this file (and its plot beside it) "
                         "instead of docs/performance/model_steps.json, e.g. for another CPU")
     args = parser.parse_args()
+    store = MODEL_JSON if args.json is None else args.json
+    models = args.only in (None, "models")
+    if models:
+        if args.tables and not store.exists():
+            parser.error(f"--tables: {store} does not exist")
+        try:
+            load_model_results(store)
+        except (OSError, ValueError) as error:  # a cut file, not text, unreadable
+            parser.error(f"cannot read the stored rows in {store}: {error}")
     import torch
 
-    if args.threads:
+    if models and args.device == "cuda" and not args.tables and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()} -->\n")
-    store = MODEL_JSON if args.json is None else args.json
     sections = {
         "memory": lambda: (section_memory(), section_flop_lines()),
         "functions": lambda: section_matrix_functions(args.repeats),

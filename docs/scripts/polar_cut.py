@@ -18,6 +18,8 @@ matmul-only converging polar factor (Polar Express, 8 steps) from the same.
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from fismo_core import FISMO, PolarConfig
@@ -46,6 +48,7 @@ def rank(X: np.ndarray) -> int:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     print("| stream | first step off by > 1e-6 | ||dW|| / ||dW at rtol 1e-10|| there | rank there (rtol 1e-10) | worst "
           "| Polar Express, 8 steps: worst |")
     print("|---|---|---|---|---|---|")

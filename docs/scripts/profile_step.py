@@ -93,19 +93,31 @@ def profile(shape, block_size, polar_dtype, steps: int) -> tuple[dict, float]:
     return parts, total
 
 
+def matrix_shape(text: str) -> tuple[int, int]:
+    """An argparse type: ``MxN``, two positive integers (a matrix's shape)."""
+    sides = text.split("x")
+    if len(sides) != 2 or not all(side.isdigit() and int(side) > 0 for side in sides):
+        raise argparse.ArgumentTypeError(f"must be MxN with positive integers, e.g. 768x3072, got {text!r}")
+    return int(sides[0]), int(sides[1])
+
+
 def main() -> None:
+    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", help="one shape, e.g. 768x3072 (default: the page's shapes)")
-    parser.add_argument("--block", type=int, help="block size for --shape")
+    parser.add_argument("--shape", type=matrix_shape, help="one shape, e.g. 768x3072 (default: the page's shapes)")
+    parser.add_argument("--block", type=positive_int, help="block size for --shape")
     parser.add_argument("--polar-dtype", choices=["bfloat16", "float32"], help="PolarConfig(dtype=...)")
-    parser.add_argument("--steps", type=int, default=2, help="profiled steps per shape")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--steps", type=positive_int, default=2, help="profiled steps per shape")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.block is not None and args.shape is None:
+        parser.error("--block applies to --shape only (the page's shapes have their own block sizes)")
     import torch
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-    cases = CASES if args.shape is None else [(tuple(int(v) for v in args.shape.split("x")), args.block)]
+    cases = CASES if args.shape is None else [(args.shape, args.block)]
     print(f"<!-- torch {torch.__version__}, {torch.get_num_threads()} threads; polar dtype "
           f"{args.polar_dtype or 'float32'} -->\n")
     print("| shape | B | part of the step | ms per step | share | GFLOP (model) | in polar factors (Muon steps) |")

@@ -32,18 +32,21 @@ VARIANTS: tuple[str, ...] = ("mu1e-3", "mu1e-3-every1", "mu1e-3-every2", "mu1e-3
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of every run (default: %(default)s)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 (default: %(default)s)")
-    parser.add_argument("--task", choices=["digits", "text"], default="digits", help="the demo's task (default: %(default)s)")
-    parser.add_argument("--only", nargs="+", help="run only these rows (names as printed)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    plan = next(p for p in default_config().plans if p.task.name == args.task)
+    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+
     runs = {"Muon-torch": "torch.optim.Muon, defaults", "FISMO-T": "the training configuration (mu=0.1, roots every 10)"}
     for name in VARIANTS:
         change = optimizers.control_change(f"FISMO-T-{name}")
         runs[f"FISMO-T-{name}"] = ", ".join(f"{k}={v}" for k, v in change.items())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of every run (default: %(default)s)")
+    parser.add_argument("--seeds", type=positive_int, default=3, help="seeds 0 .. N-1 (default: %(default)s)")
+    parser.add_argument("--task", choices=["digits", "text"], default="digits", help="the demo's task (default: %(default)s)")
+    parser.add_argument("--only", nargs="+", choices=list(runs), metavar="NAME",
+                        help=f"run only these rows (names as printed: {', '.join(runs)})")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    plan = next(p for p in default_config().plans if p.task.name == args.task)
     if args.only:
         runs = {name: what for name, what in runs.items() if name in args.only}
     seeds = list(range(args.seeds))

@@ -483,9 +483,10 @@ def load_results(path: Path) -> dict[str, dict[str, Any]]:
 
 def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
     """Write atomically, so that an interrupted study never leaves a cut file behind."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    from fismo_core._paths import staged_files
+
+    with staged_files(path.parent) as staged:
+        staged(path.name).write_text(json.dumps(doc, indent=1))
 
 
 def run_study(preset: Preset, out: Path, jobs: int = 2, *, resume: bool = True, command: str = "",
@@ -767,26 +768,24 @@ def write_outputs(doc: Mapping[str, Any], out: Path) -> tuple[str, list[str]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from _arguments import output_dir, positive_int  # docs/scripts/, on sys.path when the script runs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="default: %(default)s")
-    parser.add_argument("--out", type=Path, default=Path("scaling-results"),
+    parser.add_argument("--out", type=output_dir, default="scaling-results",
                         help="output folder (default: %(default)s)")
-    parser.add_argument("--jobs", type=int, default=2, help="parallel worker processes (default: %(default)s)")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="parallel worker processes (default: %(default)s)")
     parser.add_argument("--fresh", action="store_true", help="train every run again, ignoring DIR/results.json")
     parser.add_argument("--estimate-only", action="store_true",
                         help="time pilot steps (one run at a time), print the estimate for --jobs, stop")
-    parser.add_argument("--pilot-steps", type=int, help="timed steps per size and optimizer for the estimate")
+    parser.add_argument("--pilot-steps", type=positive_int, help="timed steps per size and optimizer for the estimate")
     parser.add_argument("--candidate", default=CANDIDATE,
                         help=f"the training configuration studied: {CANDIDATE} (default) or {CANDIDATE}-<modifier>, "
                              "settings changed by modifiers, e.g. FISMO-T-mu1e-3 (damping 1e-3), FISMO-T-mu1e-3-fp32mm; "
                              "fismo_core.demo.optimizers")
     parser.add_argument("--report-only", action="store_true", help="write report.md and the plot from DIR/results.json")
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    if args.pilot_steps is not None and args.pilot_steps < 1:
-        parser.error(f"--pilot-steps must be at least 1, got {args.pilot_steps}")
     preset = PRESETS[args.preset]
     if preset.device.startswith("cuda") and not args.report_only and not torch.cuda.is_available():
         parser.error(f"preset {preset.name!r} runs on {preset.device!r}, but torch sees no CUDA device")
@@ -799,8 +798,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(error))
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if args.report_only:
-        doc = json.loads((args.out / "results.json").read_text())
-        if not doc.get("complete"):
+        path = args.out / "results.json"
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            parser.error(f"--report-only: {path} does not exist; run the study into {args.out} first")
+        except (OSError, ValueError) as error:  # a cut file, not text, unreadable
+            parser.error(f"--report-only: cannot read {path}: {error}")
+        if not isinstance(doc, dict) or not doc.get("complete"):
             parser.error(f"{args.out / 'results.json'} is not a finished study; run it (it resumes) first")
     elif args.estimate_only:  # the pilot one run at a time, so that its runs do not share the cores
         executor = _Executor(1)

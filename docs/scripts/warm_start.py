@@ -18,6 +18,8 @@ trajectory (what a warm start would do).
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from fismo_core import FISMO
@@ -50,6 +52,7 @@ def symmetric_whitener(A: np.ndarray, Z0: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     shape, steps = (64, 96), 300
     opt = FISMO(nonfinite="propagate")
     state = opt.init(np.zeros(shape))

@@ -1,0 +1,148 @@
+"""Bad arguments of the measurement scripts of ``docs/scripts``: each is refused with one line from argparse
+(exit status 2, no traceback, nothing printed on stdout) before the script does any work, so every case
+takes about as long as the script's imports. The shared types are ``docs/scripts/_arguments.py``'s.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("the measurement scripts need torch", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "docs" / "scripts"
+#: The models section's tracked store, which no test here may change.
+STORE = ROOT / "docs" / "performance" / "model_steps.json"
+POSITIVE = "must be a positive integer, got"
+
+
+def refused(script: str, *args: str) -> str:
+    """Run ``docs/scripts/<script>.py args`` from the repository root; check that it is a usage error before any
+    work (exit status 2, no traceback, empty stdout) and return its one error line."""
+    done = subprocess.run([sys.executable, f"docs/scripts/{script}.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stdout == "", done.stdout
+    line = done.stderr.splitlines()[-1]
+    assert line.startswith(f"{script}.py: error: "), done.stderr
+    return line
+
+
+CASES = [
+    # scaling_study.py (the paths under tmp_path: below)
+    ("scaling_study", ["--pilot-steps", "0", "--estimate-only"], f"argument --pilot-steps: {POSITIVE} 0"),
+    # performance.py
+    ("performance", ["--only", "threads", "--repeats", "0"], f"argument --repeats: {POSITIVE} 0"),
+    ("performance", ["--only", "memory", "--threads", "-1"], f"argument --threads: {POSITIVE} -1"),
+    ("performance", ["--only", "memory", "--threads", "0"], f"argument --threads: {POSITIVE} 0"),
+    ("performance", ["--only", "deviation", "--steps", "0"], f"argument --steps: {POSITIVE} 0"),
+    ("performance", ["--only", "deviation", "--block", "0"], f"argument --block: {POSITIVE} 0"),
+    ("performance", ["--only", "models", "--names", "bogus"], "argument --names: invalid choice: 'bogus'"),
+    ("performance", ["--only", "models", "--tables", "--model", "llama-4096x11008"],
+     "argument --model: invalid choice: 'llama-4096x11008' (choose from 'gpt2-2layers', 'llama-2048x5504')"),
+    # overhead.py
+    ("overhead", ["--no-gpt", "--configs", "muon", "--scale", "0"], f"argument --scale: {POSITIVE} 0"),
+    ("overhead", ["--no-gpt", "--configs", "muon", "--scale", "-16"], f"argument --scale: {POSITIVE} -16"),
+    ("overhead", ["--no-gpt", "--configs", "muon", "--scale", "5"],
+     "--scale 5 must divide GPT-2's sides and the block sizes counted (768, 2304, 3072)"),
+    ("overhead", ["--no-gpt", "--verify-scale", "512"],
+     "--verify-scale 512 must divide GPT-2's sides and the block sizes counted (256, 768, 2304, 3072)"),
+    ("overhead", ["--no-gpt", "--configs", "muon", "--layers", "0"], f"argument --layers: {POSITIVE} 0"),
+    ("overhead", ["--no-gpt", "--configs", "muon", "--verify-scale", "0"], f"argument --verify-scale: {POSITIVE} 0"),
+    ("overhead", ["--configs", "muon", "--no-compile", "--repeats", "0"], f"argument --repeats: {POSITIVE} 0"),
+    ("overhead", ["--no-gpt", "--configs", "muon", "propagate", "--breakdown", "bogus"],
+     "argument --breakdown: invalid choice: 'bogus'"),
+    ("overhead", ["--no-gpt", "--configs", "muon", "propagate", "--breakdown", "default"],
+     "--breakdown default: not counted; add it to --configs (muon propagate)"),
+    # profile_step.py
+    ("profile_step", ["--shape", "64x64", "--block", "32", "--steps", "0"], f"argument --steps: {POSITIVE} 0"),
+    ("profile_step", ["--shape", "4x64x64", "--block", "32"],
+     "argument --shape: must be MxN with positive integers, e.g. 768x3072, got '4x64x64'"),
+    ("profile_step", ["--shape", "64"], "argument --shape: must be MxN with positive integers, e.g. 768x3072, got '64'"),
+    ("profile_step", ["--block", "32"], "--block applies to --shape only"),
+    ("profile_step", ["--threads", "0"], f"argument --threads: {POSITIVE} 0"),
+    # root_staleness.py
+    ("root_staleness", ["--seeds", "0", "--only", "Muon-torch"], f"argument --seeds: {POSITIVE} 0"),
+    ("root_staleness", ["--only", "bogus"], "argument --only: invalid choice: 'bogus'"),
+    # distributed_traffic.py
+    ("distributed_traffic", ["--worlds", "0"], f"argument --worlds: {POSITIVE} 0"),
+    ("distributed_traffic", ["--worlds", "-1"], f"argument --worlds: {POSITIVE} -1"),
+    ("distributed_traffic", ["--worlds", "2", "5"],
+     "--worlds 5: the full-size figures are exact only for world sizes that divide the matrices' rows evenly: "
+     "1, 2, 3, 4, 6, 8, 12, 16, 24, 48"),
+    # polar_cut.py and warm_start.py take no options
+    ("polar_cut", ["--bogus-option"], "unrecognized arguments: --bogus-option"),
+    ("warm_start", ["--bogus-option"], "unrecognized arguments: --bogus-option"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "message"), CASES, ids=[f"{s} {' '.join(a)}" for s, a, _ in CASES])
+def test_a_bad_argument_is_one_usage_line_before_any_work(script, args, message):
+    assert message in refused(script, *args)
+
+
+@pytest.mark.parametrize("script", ["polar_cut", "warm_start"])
+def test_help_prints_the_usage_and_the_docstrings_first_line_without_running(script):
+    done = subprocess.run([sys.executable, f"docs/scripts/{script}.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    first_line = ast.get_docstring(ast.parse((SCRIPTS / f"{script}.py").read_text())).splitlines()[0]
+    assert done.stdout.startswith(f"usage: {script}.py [-h]\n"), done.stdout
+    assert " ".join(first_line.split()) in " ".join(done.stdout.split()), done.stdout
+    assert "|" not in done.stdout  # no table: the measurement did not run
+
+
+# ------------------------------------------------------------------------------------- scaling_study.py's paths
+def test_report_only_without_results_json_names_the_missing_file(tmp_path):
+    line = refused("scaling_study", "--report-only", "--out", str(tmp_path / "missing"))
+    assert f"--report-only: {tmp_path / 'missing' / 'results.json'} does not exist" in line
+
+
+def test_report_only_on_a_cut_results_json_says_it_cannot_be_read(tmp_path):
+    (tmp_path / "results.json").write_text('{"runs": [\n')
+    line = refused("scaling_study", "--report-only", "--out", str(tmp_path))
+    assert f"--report-only: cannot read {tmp_path / 'results.json'}: Expecting value" in line
+
+
+@pytest.mark.parametrize(("mode", "below"), [(["--preset", "reduced", "--jobs", "1"], ""), (["--report-only"], "sub")])
+def test_an_out_that_is_or_lies_in_a_file_is_refused(tmp_path, mode, below):
+    (tmp_path / "afile").write_text("mine")
+    line = refused("scaling_study", *mode, "--out", str(tmp_path / "afile" / below))
+    assert f"argument --out: {tmp_path / 'afile'} is not a directory" in line
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+# ------------------------------------------------------------------------------ performance.py's models store
+def test_json_naming_a_directory_is_refused(tmp_path):
+    line = refused("performance", "--only", "models", "--tables", "--json", str(tmp_path))
+    assert f"argument --json: {tmp_path} is a directory, not a file" in line
+
+
+def test_tables_of_a_missing_or_cut_store_are_refused(tmp_path):
+    line = refused("performance", "--only", "models", "--tables", "--json", str(tmp_path / "none.json"))
+    assert f"--tables: {tmp_path / 'none.json'} does not exist" in line
+    (tmp_path / "cut.json").write_text('{"gpt2-2layers/cpu": {\n')
+    line = refused("performance", "--only", "models", "--tables", "--json", str(tmp_path / "cut.json"))
+    assert f"cannot read the stored rows in {tmp_path / 'cut.json'}" in line
+
+
+def test_device_cuda_without_cuda_is_refused_and_no_store_changes(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here")
+    tracked = STORE.read_bytes()
+    mine = tmp_path / "store.json"
+    mine.write_text('{"gpt2-2layers/cpu": {}}\n')
+    timing = ["--only", "models", "--device", "cuda", "--model", "gpt2-2layers", "--names", "eigh-B768", "--repeats", "1"]
+    for args in (timing + ["--json", str(mine)], ["--device", "cuda"]):  # the second: every section, the tracked store
+        assert "--device cuda: torch sees no CUDA device" in refused("performance", *args)
+    assert mine.read_text() == '{"gpt2-2layers/cpu": {}}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["store.json"]
+    assert STORE.read_bytes() == tracked
