@@ -598,6 +598,14 @@ def route_group(param_group: dict, defaults: dict, where: str) -> dict:
         foreign = {k: group[k] for k in (*MUON_POLAR_KEYWORDS, *MUON_KEYWORDS) if k in group and k not in defaults}
         if foreign:  # a group key FISMO would otherwise keep and ignore
             raise ValueError(str(foreign_keyword_error(f"{where} sets keys", foreign)))
+        # torch.optim's implementation switches, kept and not honoured (until 2026-12-03). Refused when the group
+        # is added only: dynamo sets capturable=True in every group of an optimizer it traces.
+        unsupported = {k: group[k] for k in ("fused", "capturable", "differentiable") if group.get(k)}
+        if unsupported:
+            raise ValueError(
+                f"{where} is a FISMO group with {unsupported}: FISMO has no fused, capturable or differentiable "
+                "variant to switch to; leave these keys out (torch.compile compiles its step as it is)"
+            )
         merged = {**defaults, **{k: v for k, v in group.items() if k in defaults}}
         validate_fismo_hparams(merged, where)
         group["block_size"] = merged["block_size"]
