@@ -22,7 +22,7 @@ import array_api_compat
 import torch
 from array_api_compat import torch as _compat_torch
 
-from fismo_core import guards as _guards
+from fismo_core import linalg as _linalg
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 
 from ._torch_groups import numpy_scalar_keys
@@ -126,7 +126,7 @@ def substitute_array_api_compat_lookups() -> bool:
     """Have dynamo trace the core's lookups of torch tensors' namespace and device as one ``isinstance``.
 
     The core asks array-api-compat for the namespace and the device of its arrays in every function
-    (``array_namespace``, ``device``, ``is_array_api_obj``), and ``guards.nan_is_the_answer`` asks it
+    (``array_namespace``, ``device``, ``is_array_api_obj``), and ``linalg.nan_is_the_answer`` asks it
     whether a namespace is NumPy's. Traced, each call ran array-api-compat's type lookups
     (``sys.modules``, ``getattr``, ``issubclass``, in ``lru_cache``-wrapped helpers): about half of the
     bytecode dynamo steps through in a FISMO step, for the same graph, and the 12 warnings "Dynamo detected
@@ -142,7 +142,7 @@ def substitute_array_api_compat_lookups() -> bool:
     if substitute is None:  # pragma: no cover - torch < 2.5
         return False
     originals: tuple[Any, ...] = (array_api_compat.array_namespace, array_api_compat.device,
-                                  array_api_compat.is_array_api_obj, _guards.nan_is_the_answer)
+                                  array_api_compat.is_array_api_obj, _linalg.nan_is_the_answer)
     namespace_of, device_of, is_array_of, nan_context_of = (_copy_of(f) for f in originals)
 
     def array_namespace(*xs: Any, api_version: str | None = None, use_compat: bool | None = None) -> Any:

@@ -11,7 +11,6 @@ The roots' fault flags stay arrays (`StepFaults`) until one host read
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import math
@@ -23,11 +22,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, TypeVar
 
-from array_api_compat import array_namespace, is_array_api_obj, is_array_api_strict_namespace, is_numpy_namespace
+from array_api_compat import array_namespace, is_array_api_obj
 
 from . import _autodiff, linalg
 from .kronecker import BlockDiagonalFactor, Structure, factor_structure, state_size
-from .linalg import Array, _device, _host_bool
+from .linalg import Array, _device, _host_bool, nan_is_the_answer
 
 __all__ = ["FactorSizeWarning", "InverseRootError", "InverseRootWarning", "StepFaults", "read_faults"]
 
@@ -112,21 +111,6 @@ def all_finite(xp: Any, X: Array, axis: Any = None) -> Array:
     if math.prod(X.shape) == 0:  # a maximum over nothing has no value
         return xp.all(xp.isfinite(X), axis=axis)
     return xp.isfinite(xp.max(xp.abs(X), axis=axis))
-
-
-def nan_is_the_answer(xp: Any) -> Any:
-    """A context in which NumPy (and array-api-strict, which wraps it) does not warn of the NaN it makes.
-
-    Where a NaN is a result the caller reads as a flag (the NaN root of a
-    singular factor that its check fails, with the ``1 / sqrt(0)`` and the residual's products on the
-    way), NumPy's ``RuntimeWarning`` (invalid value, divide by zero, overflow) would only precede the
-    library's own message. Other namespaces do not warn; for them it does nothing.
-    """
-    if is_numpy_namespace(xp) or is_array_api_strict_namespace(xp):
-        import numpy
-
-        return numpy.errstate(invalid="ignore", divide="ignore", over="ignore")
-    return contextlib.nullcontext()
 
 
 def check_finite(xp: Any, G: Array, W: Optional[Array] = None, *, dtype: Any = None) -> None:

@@ -19,13 +19,14 @@ and their host reads off. ``docs/linalg.md`` opens with the SciPy equivalents.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Optional, Union, overload
 
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace, device, is_array_api_strict_namespace, is_numpy_namespace
 
 from fismo_core import _autodiff
 
@@ -238,6 +239,23 @@ def _capped(xp: Any, exponent: Array) -> Array:
     return xp.minimum(exponent, xp.full_like(exponent, top))
 
 
+def nan_is_the_answer(xp: Any) -> Any:
+    """A context in which NumPy (and array-api-strict, which wraps it) does not warn of the NaN it makes.
+
+    Where a NaN is a result the caller reads as a flag (the NaN root of a
+    singular factor that its check fails, with the ``1 / sqrt(0)`` and the residual's products on the
+    way), NumPy's ``RuntimeWarning`` (invalid value, divide by zero, overflow) would only precede the
+    library's own message; so would NumPy's eigh's "overflow encountered in cast" of a float32 ``A``
+    whose eigenvalue lies beyond float32's range (decomposed in float64), which `inverse_sqrt` refuses.
+    Other namespaces do not warn; for them it does nothing.
+    """
+    if is_numpy_namespace(xp) or is_array_api_strict_namespace(xp):
+        import numpy
+
+        return numpy.errstate(invalid="ignore", divide="ignore", over="ignore")
+    return contextlib.nullcontext()
+
+
 def _exact_dtype(xp: Any, A: Array) -> Array:
     """``A`` as the exact decompositions take it: half precision (``eigh``, ``svd`` and ``eigvalsh`` exist
     for float32 and float64 only, in LAPACK and cuSOLVER) cast to float32; other dtypes unchanged."""
@@ -308,8 +326,22 @@ def _readable(x: Array) -> bool:
 
 
 def _device(x: Array) -> Any:
-    """``array_api_compat.device(x)``, and ``None`` for a traced JAX array (jit places it): `_is_traced`."""
-    return None if _is_traced(x) else device(x)
+    """``array_api_compat.device(x)``, and ``None`` for a traced JAX array (jit places it): `_is_traced`.
+
+    A JAX array spread over a mesh of several devices answers its sharding, whose partition fits its own
+    shape only: arrays made beside it (``eye(d)``, a 0-d counter, the factors) raised ``IndexError`` or
+    ``IndivisibleError``, and two layouts on one mesh were "different devices". Its mesh, replicated
+    (``NamedSharding(mesh, P())``), is answered instead: it holds any shape, and JAX combines it with
+    every layout on that mesh.
+    """
+    if _is_traced(x):
+        return None
+    placement = device(x)
+    if len(getattr(placement, "device_set", ())) > 1 and hasattr(placement, "mesh"):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(placement.mesh, PartitionSpec())
+    return placement
 
 
 def _host_bool(x: Array) -> Optional[bool]:
@@ -331,8 +363,10 @@ def _check_same_namespace_and_device(*arrays: Array) -> Any:
         xp = array_namespace(*arrays)
     except TypeError as exc:
         raise TypeError(f"all arrays of one call must come from one array library: {exc}") from exc
-    # A traced JAX array (jax.jit, grad, vmap) has no device (None): it may meet a concrete one.
-    devices = {str(d) for d in map(_device, arrays) if d is not None}
+    # A traced JAX array (jax.jit, grad, vmap) has no device (None): it may meet a concrete one. An
+    # uncommitted one (jnp.asarray of host data) goes where the committed ones are, as JAX's own arithmetic
+    # takes it there (refused as "on another device" until 2026-12-03).
+    devices = {str(_device(a)) for a in arrays if _device(a) is not None and getattr(a, "committed", True) is not False}
     if len(devices) > 1:
         raise ValueError(f"all arrays of one call must live on one device, got {sorted(devices)}")
     return xp
@@ -597,7 +631,7 @@ def _resolve_dtype(xp: Any, dtype: Any) -> Any:
                 f"dtype={dtype!r}: the array library of X ({library}) has no {dtype} dtype; "
                 "use a dtype it has (NumPy and array-api-strict have no bfloat16), or run on torch or JAX"
             )
-        return resolved
+        return _refuse_truncated_by_jax(xp, resolved, dtype)
     try:
         ok = bool(xp.isdtype(dtype, "real floating"))
     except Exception:  # a dtype of another library, or not a dtype at all
@@ -607,7 +641,23 @@ def _resolve_dtype(xp: Any, dtype: Any) -> Any:
             f"dtype must be None, one of {', '.join(map(repr, POLAR_DTYPE_NAMES))} or a real floating dtype "
             f"of X's array library, got {dtype!r}"
         )
-    return dtype
+    return _refuse_truncated_by_jax(xp, dtype, dtype)
+
+
+def _refuse_truncated_by_jax(xp: Any, resolved: Any, asked: Any) -> Any:
+    """``resolved``, unless JAX would run it narrower: float64 with 64-bit types off (``jax_enable_x64``) ran
+    in float32, with JAX's warning at every cast (13 per step) and no word from here (a user's hunt,
+    2026-12-03)."""
+    if getattr(xp, "__name__", "") != "jax.numpy":
+        return resolved
+    import jax
+
+    if jax.dtypes.canonicalize_dtype(resolved) != xp.dtype(resolved):
+        raise ValueError(
+            f"dtype={asked!r}: JAX runs with 64-bit types off, so it would be float32; turn them on "
+            "(jax.config.update('jax_enable_x64', True), or JAX_ENABLE_X64=1) or ask for 'float32'"
+        )
+    return resolved
 
 
 def polar(
@@ -925,9 +975,10 @@ def inverse_sqrt(
         scaled = A / 2.0**exponent  # the checks hold at any scale
         _check_symmetric(xp, scaled, "inverse_sqrt")
     if method == "eigh":
-        return _eigh_inverse_sqrt(
-            A, before_root=(lambda w: _check_positive_definite(xp, A, w, "inverse_sqrt")) if checked else None
-        )[0]
+        with nan_is_the_answer(xp) if checked else contextlib.nullcontext():  # an infinite eigenvalue: refused
+            return _eigh_inverse_sqrt(
+                A, before_root=(lambda w: _check_positive_definite(xp, A, w, "inverse_sqrt")) if checked else None
+            )[0]
     if checked:  # one eigvalsh, the cost of the check on the matmul-only path
         _check_positive_definite(xp, A, xp.linalg.eigvalsh(_exact_dtype(xp, scaled)), "inverse_sqrt")
     identity = xp.eye(A.shape[-1], dtype=A.dtype, device=_device(A))

@@ -1125,31 +1125,40 @@ class FISMO:
         except TypeError:  # traced (jax.errors.ConcretizationTypeError): no value to decide on
             raise ValueError(
                 f"InverseRootConfig(every={every}) recomputes the roots when state.step % {every} == 0, and "
-                "state.step is traced here (jax.jit): pass refresh_roots=True/False to FISMO.direction, "
-                "e.g. under jax.lax.cond (fismo_core.backends.optax does this)"
+                "state.step is traced here (jax.jit): pass refresh_roots=True/False to FISMO.step or "
+                "FISMO.direction, e.g. under jax.lax.cond (fismo_core.backends.optax does this)"
             ) from None
 
     # ------------------------------------------------------------------ step
-    def step(self, W: Array, G: Array, state: FISMOState) -> tuple[Array, FISMOState]:
+    def step(
+        self, W: Array, G: Array, state: FISMOState, *, refresh_roots: Union[None, bool, "RootSchedule"] = None
+    ) -> tuple[Array, FISMOState]:
         """One full iteration: line 9, ``W_t = W_{t-1} - lr dW_t`` (after decoupled weight decay).
 
         Returns the new parameters (``W``'s dtype) and the new state. With
         ``nonfinite="raise"`` a NaN or infinity in ``W`` or ``G`` is a
-        ``ValueError`` before anything changes.
+        ``ValueError`` before anything changes. ``refresh_roots``: as for
+        [`direction`][fismo_core.FISMO.direction]; under ``jax.jit`` with roots
+        every ``k > 1`` steps (`FISMO.training`), decide it with ``jax.lax.cond``
+        on ``state.step``, whose value a trace does not have.
         """
-        W_new, new_state, _ = self._step(W, G, state, lines=False)
+        W_new, new_state, _ = self._step(W, G, state, lines=False, refresh_roots=refresh_roots)
         return W_new, new_state
 
-    def step_lines(self, W: Array, G: Array, state: FISMOState) -> tuple[Array, FISMOState, StepLines]:
+    def step_lines(
+        self, W: Array, G: Array, state: FISMOState, *, refresh_roots: Union[None, bool, "RootSchedule"] = None
+    ) -> tuple[Array, FISMOState, StepLines]:
         """`step`, also returning every quantity of Algorithm 1 at this step (a `StepLines`).
 
         The arithmetic is that of `step`; the extra output costs one scaling
         of ``G~_t``. Used by ``fismo verify`` to say at which line two
         backends part.
         """
-        return self._step(W, G, state, lines=True)
+        return self._step(W, G, state, lines=True, refresh_roots=refresh_roots)
 
-    def _step(self, W: Array, G: Array, state: FISMOState, lines: bool) -> tuple[Array, FISMOState, Any]:
+    def _step(
+        self, W: Array, G: Array, state: FISMOState, lines: bool, refresh_roots: Union[None, bool, "RootSchedule"]
+    ) -> tuple[Array, FISMOState, Any]:
         xp = guards.check_matrix(W, "W")
         guards.check_matrix(G, "G")
         if tuple(W.shape) != tuple(G.shape):
@@ -1159,7 +1168,7 @@ class FISMO:
         check_state_dtype(xp, state, W.dtype)
         if self.nonfinite == "raise":
             guards.check_finite(xp, G, W=W, dtype=state.M.dtype)
-        refresh = self._refresh_roots(state, None)
+        refresh = self._refresh_roots(state, refresh_roots)
         step = self._settle(xp, G, state, self._guarded_step(xp, G, state, refresh, repair=False), refresh)
         direction, new_state = step.result.direction, step.result.state
         W_new = line_9(W, direction, self.lr, self.weight_decay)  # line 9, with decoupled weight decay
@@ -1454,8 +1463,19 @@ def line_9(W: Array, dW: Array, lr: float, weight_decay: float = 0.0, *, step_lr
     """
     xp = array_namespace(W, dW)
     decay, rate = line_9_factors(lr, weight_decay, step_lr)
-    W_decayed = W * (1 - decay) if decay else W
+    W_decayed = _decayed(xp, W, decay) if decay else W
     return W_decayed - rate * xp.astype(dW, W.dtype, copy=False)
+
+
+def _decayed(xp: Any, W: Array, decay: Any) -> Array:
+    """``(1 - decay) W`` rounded once to ``W``'s dtype; half precision multiplies in float32, as torch's ``mul_``.
+
+    NumPy and JAX round a Python float to the dtype of the array it multiplies: bfloat16's ``1 - 0.002`` was
+    0.99609, 2.7 times the decay asked for (float16's off by up to 14 %), and the torch adapter's differed.
+    """
+    if xp.finfo(W.dtype).bits >= 32:
+        return W * (1 - decay)
+    return xp.astype(xp.astype(W, xp.float32) * (1 - decay), W.dtype)
 
 
 def factor_keys(name: str, parts: int) -> tuple[str, ...]:

@@ -153,6 +153,8 @@ def _host_array(x: Any) -> Any:
     xp = array_namespace(x)
     if xp.isdtype(x.dtype, "real floating") and x.dtype not in (xp.float32, xp.float64):
         x = xp.astype(x, xp.float32)
+    if len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1:  # DLPack takes one device's buffer
+        return np.asarray(x)  # JAX gathers a sharded or replicated array to the host
     return np.from_dlpack(x)
 
 

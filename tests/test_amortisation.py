@@ -419,6 +419,24 @@ def test_jit_needs_refresh_roots() -> None:
     one = FISMO(**HYPER, polar=POLAR)
     D_j, _ = jax.jit(one.direction)(G, one.init(jnp.asarray(W0)))
     assert _rel(D_j, _np(one.direction(G, one.init(jnp.asarray(W0)))[0])) <= 1e-12
+    # FISMO.step takes refresh_roots too (it had none: a jitted step with every > 1 had to be written from
+    # direction and line 9; a user's hunt, 2026-12-03): under lax.cond on the traced count, several steps
+    # equal the eager ones, whose schedule reads state.step.
+    with pytest.raises(ValueError, match=r"state\.step is traced.*FISMO\.step or FISMO\.direction"):
+        jax.jit(opt.step)(jnp.asarray(W0), G, state)
+
+    @jax.jit
+    def jitted_step(W, G, s):
+        return jax.lax.cond(opt.inv_root.is_refresh_step(s.step), lambda: opt.step(W, G, s, refresh_roots=True),
+                            lambda: opt.step(W, G, s, refresh_roots=False))
+
+    W_j = W_e = jnp.asarray(W0)
+    s_j = s_e = state
+    for g in grads[: EVERY + 2]:  # a refresh, the kept roots, and the next refresh
+        W_j, s_j = jitted_step(W_j, jnp.asarray(g), s_j)
+        W_e, s_e = opt.step(W_e, jnp.asarray(g), s_e)
+    assert _rel(W_j - W0, _np(W_e) - W0) <= 1e-12
+    assert _rel(s_j.P_inv_sqrt, _np(s_e.P_inv_sqrt)) <= 1e-12
 
 
 # ============================================================ 4. torch adapter

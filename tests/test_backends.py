@@ -25,6 +25,7 @@ import pytest
 from array_api_compat import array_namespace, device
 
 from fismo_core import FISMO, FISMOState, InverseRootConfig, PolarConfig
+from fismo_core.optimizer import line_9
 from fismo_core.testing import (
     TOLERANCES,
     VERIFY_SHAPES,
@@ -208,6 +209,40 @@ def test_low_precision_W_keeps_float32_state(lib: str, dtype: str) -> None:
         delta = to_numpy(xp.astype(W_new, f32)) - to_numpy(xp.astype(W, f32))
         assert np.all(np.isfinite(delta)) and np.linalg.norm(delta) > 0
         W = W_new
+
+
+@pytest.mark.parametrize("lib, dtype", _low_precision_cases())
+def test_low_precision_weight_decay_is_rounded_once(lib: str, dtype: str) -> None:
+    """Line 9's decay ``(1 - lr wd) W`` on half-precision parameters is the float32 product rounded once to
+    ``W``'s dtype, as torch's ``mul_`` computes it. NumPy and JAX rounded the factor to ``W``'s dtype first:
+    bfloat16's 1 - 0.002 = 0.99609, 2.7 times the decay (a user's hunt, 2026-12-03). The direction's part,
+    ``- lr round(dW)``, is unchanged."""
+    rng = np.random.default_rng(3)
+    W64, dW64 = rng.uniform(0.5, 4.0, (16, 24)), rng.standard_normal((16, 24))
+    if lib == "numpy":
+        xp, asarray = np, (lambda a: np.asarray(a, dtype=dtype))
+    elif lib == "torch":
+        torch = pytest.importorskip("torch")
+        xp, asarray = array_namespace(torch.zeros(1)), (lambda a: torch.asarray(a, dtype=getattr(torch, dtype)))
+    else:
+        pytest.importorskip("jax")
+        import jax.numpy as jnp
+
+        xp, asarray = jnp, (lambda a: jnp.asarray(a, dtype=getattr(jnp, dtype)))
+    W, dW, zero = asarray(W64), asarray(dW64), asarray(np.zeros_like(W64))
+    lr, weight_decay = 0.02, 0.1
+
+    def f32(a):
+        return to_numpy(xp.astype(a, xp.float32))
+
+    decayed = line_9(W, zero, lr, weight_decay)
+    rounded_once = xp.astype(xp.astype(W, xp.float32) * (1 - lr * weight_decay), W.dtype)
+    assert np.array_equal(f32(decayed), f32(rounded_once))
+    # The effective factor: what float32 arithmetic gives, rounded; bfloat16's factor alone was 0.99609.
+    ratio = f32(decayed) / f32(W)
+    spacing = float(np.finfo(np.float16).eps) if dtype == "float16" else 2.0**-7  # W's relative grid, at most
+    assert np.all(np.abs(ratio - (1 - lr * weight_decay)) <= spacing / 2 + 1e-7), ratio
+    assert np.array_equal(f32(line_9(W, dW, lr, weight_decay)), f32(decayed - lr * dW))
 
 
 # ------------------------------------------------------------------- devices

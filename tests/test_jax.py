@@ -593,6 +593,41 @@ def test_without_x64_a_failed_root_says_it_was_not_retried_in_float64() -> None:
     assert all("not retried in float64, unavailable here" in line for line in out), out
 
 
+def test_without_x64_a_float64_iteration_dtype_is_refused() -> None:
+    """``polar(dtype="float64")``, ``PolarConfig(dtype="float64")`` and the roots' ``matmul_dtype="float64"``
+    ran in float32 with JAX's x64 off, with JAX's "Explicitly requested dtype" warning at every cast (13 per
+    step) and no word from FISMO (a user's hunt, 2026-12-03), where NumPy's missing bfloat16 is a clear
+    ValueError. Refused now, saying how to turn x64 on. A fresh process: the test session turns x64 on."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, jax.numpy as jnp\n"
+        "from fismo_core import FISMO, InverseRootConfig, PolarConfig, linalg\n"
+        "X = jnp.ones((4, 3)) + jnp.eye(4, 3)\n"
+        "calls = [lambda: linalg.polar(X, dtype='float64'), lambda: linalg.polar(X, dtype=jnp.float64),\n"
+        "         lambda: FISMO(polar=PolarConfig(dtype='float64')).step(X, X, FISMO().init(X)),\n"
+        "         lambda: FISMO(inv_root=InverseRootConfig(method='newton_schulz', matmul_dtype='float64'))\n"
+        "             .step(X, X, FISMO().init(X))]\n"
+        "for call in calls:\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        try:\n"
+        "            call(); print('ran |', len(caught))\n"
+        "        except ValueError as exc:\n"
+        "            print('ValueError |', exc, '|', len(caught))\n"
+        "print('float32 |', linalg.polar(X, dtype='float32').dtype)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env={**__import__("os").environ, "JAX_ENABLE_X64": "0"}).stdout.splitlines()
+    assert len(out) == 5, out
+    for line in out[:4]:
+        kind, message, warned = line.split(" | ")
+        assert kind == "ValueError" and "JAX runs with 64-bit types off" in message, line
+        assert "jax.config.update('jax_enable_x64', True)" in message and warned == "0", line
+    assert out[4] == "float32 | float32"
+
+
 def test_optax_resumes_from_numpy_states_and_takes_python_scalar_leaves() -> None:
     """Found by a user's hunt, each failed eagerly where ``optax.adamw`` works: a state restored as NumPy
     (``jax.device_get``, ``np.load``, pickle) mixed namespaces in the core; a Python float among the

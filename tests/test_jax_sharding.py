@@ -520,6 +520,69 @@ def _core_state_on_another_device() -> dict[str, Any]:
     return out
 
 
+def _core_on_the_mesh() -> dict[str, Any]:
+    """The core (``FISMO``, `fismo_core.linalg`), not the optax adapter, on arrays spread over the mesh,
+    eagerly on Auto axes, against the same calls on one device (relative error), and `to_numpy` of such
+    arrays. Until 2026-12-03 the state's arrays were made with the parameter's own sharding: ``init``
+    raised ``IndexError`` (a 0-d counter) or ``IndivisibleError`` (a factor), two layouts of one mesh were
+    "different devices", and ``to_numpy`` raised ``BufferError`` (DLPack exports one device)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from fismo_core import FISMO, linalg
+    from fismo_core.testing import max_relative_error, to_numpy
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    stack_mesh = jax.make_mesh((8,), ("b",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(11)
+    out: dict[str, Any] = {}
+    cases = {  # name: (shape, mesh, layout, FISMO keywords)
+        "matrix": ((16, 8), mesh, ("x", "y"), dict(weight_decay=0.1, nesterov=True)),
+        "stack": ((8, 6, 4), stack_mesh, ("b",), dict(block_size=4)),
+    }
+    for name, (shape, on, spec, options) in cases.items():
+        opt = FISMO(**options)
+        W0, grads = rng.standard_normal(shape), [rng.standard_normal(shape) for _ in range(3)]
+        paths = {}
+        for where, place in (("mesh", lambda a: jax.device_put(jnp.asarray(a), NamedSharding(on, PartitionSpec(*spec)))),
+                             ("one device", lambda a: jax.device_put(jnp.asarray(a), jax.devices()[0]))):
+            try:
+                W = place(W0)
+                state = opt.init(W)
+                for G in grads:
+                    W, state = opt.step(W, place(G), state)
+                paths[where] = to_numpy(W)
+            except Exception as exc:  # recorded: the test names the case that failed and how
+                paths[where] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        ok = all(isinstance(p, np.ndarray) for p in paths.values())
+        out[name] = (max_relative_error(paths["mesh"] - W0, paths["one device"] - W0) if ok
+                     else {k: v for k, v in paths.items() if not isinstance(v, np.ndarray)})
+    # W committed to device 1 and its gradient uncommitted (jnp.asarray of host data, as a data loader gives):
+    # JAX's arithmetic takes it to device 1; the core refused it as "on another device" until 2026-12-03.
+    W0, G = rng.standard_normal((6, 4)), rng.standard_normal((6, 4))
+    opt = FISMO()
+    try:
+        W1 = jax.device_put(jnp.asarray(W0), jax.devices()[1])
+        stepped, _ = opt.step(W1, jnp.asarray(G), opt.init(W1))
+        alone, _ = opt.step(jnp.asarray(W0), jnp.asarray(G), opt.init(jnp.asarray(W0)))
+        out["uncommitted gradient"] = max_relative_error(to_numpy(stepped), to_numpy(alone))
+        out["uncommitted gradient, result on"] = str(next(iter(stepped.devices())))
+    except Exception as exc:
+        out["uncommitted gradient"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    A = rng.standard_normal((4, 16, 16))
+    A = A @ np.swapaxes(A, -1, -2) / 16 + np.eye(16)
+    sharded = jax.device_put(jnp.asarray(A), NamedSharding(mesh, PartitionSpec("x", None, "y")))
+    for method in ("newton_schulz", "eigh"):
+        try:
+            got = to_numpy(linalg.inverse_sqrt(sharded, method=method))
+            out[f"inverse_sqrt {method}"] = max_relative_error(got, to_numpy(linalg.inverse_sqrt(jnp.asarray(A),
+                                                                                                  method=method)))
+        except Exception as exc:
+            out[f"inverse_sqrt {method}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return out
+
+
 def _worker() -> None:
     """Every case on 8 host devices; prints ``{case: measurements}`` as one JSON line."""
     import jax
@@ -531,7 +594,8 @@ def _worker() -> None:
     assert jax.device_count() == DEVICES, jax.devices()
     print(json.dumps({**{name: _run_case(name) for name in CASES}, "wrappers": _wrapper_executables(),
                       "numpy_gradients": _numpy_gradients(), "user_hunt": _user_hunt_cases(),
-                      "core_state_on_another_device": _core_state_on_another_device()}))
+                      "core_state_on_another_device": _core_state_on_another_device(),
+                      "core_on_the_mesh": _core_on_the_mesh()}))
 
 
 @pytest.fixture(scope="module")
@@ -740,3 +804,15 @@ def test_from_dict_moves_a_state_to_the_parameters_device(results: dict[str, Any
         "uncommitted": {"device": "cpu:0", "committed": False, "error": None},
         "torch, committed to device 1": {"device": "cpu:1", "committed": True, "error": None},
     }, got
+
+
+#: The eager core on the mesh against one device, float64: XLA sums the split products in another order
+#: (the trajectory tolerance's reasoning above); the inverse roots are one call, no trajectory.
+@pytest.mark.parametrize("case", ["matrix", "stack", "inverse_sqrt newton_schulz", "inverse_sqrt eigh",
+                                  "uncommitted gradient"])
+def test_the_core_steps_eagerly_on_a_mesh(results: dict[str, Any], case: str) -> None:
+    got = results["core_on_the_mesh"][case]
+    assert isinstance(got, float), got
+    assert got <= TRAJECTORY_TOLERANCE, got
+    if case == "uncommitted gradient":
+        assert results["core_on_the_mesh"]["uncommitted gradient, result on"] == "cpu:1"  # W's device

@@ -315,6 +315,17 @@ def test_inverse_sqrt_eigh_names_an_eigenvalue_beyond_the_range() -> None:
                                rtol=1e-14)
 
 
+def test_a_float32_eigenvalue_beyond_the_range_is_refused_without_numpys_warning() -> None:
+    """NumPy decomposes a float32 ``A`` in float64 and casts the eigenvalues back: one beyond float32's range
+    printed NumPy's "overflow encountered in cast" RuntimeWarning before the refusal (a user's hunt,
+    2026-12-03). The refusal is the only word now."""
+    A = (np.full((4, 4), 2e38) + np.eye(4) * 1e38).astype(np.float32)  # finite; largest eigenvalue 9e38
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        message = refusal(inverse_sqrt, A)
+    assert "has an eigenvalue beyond float32's range" in message, message
+
+
 @pytest.mark.parametrize("shape", [(0, 0), (2, 0, 0)], ids=str)
 def test_inverse_sqrt_newton_schulz_of_empty_matrices(target: Target, shape: tuple[int, ...]) -> None:
     """A 0 x 0 matrix crashed the Newton-Schulz method (a max over no entries); it is empty, as with eigh."""
