@@ -259,6 +259,7 @@ def _worker(rank: int, world: int, phase: str, store: str, ckpt: str, out: str) 
     try:
         result = {"first": _first, "second": _second, "third": _third}[phase](rank, world, Path(ckpt))
         torch.save(result, f"{out}.{rank}")
+        dist.barrier()  # no rank tears the group down while another still saves (see docs/examples/fsdp2_resume.py)
     finally:
         dist.destroy_process_group()
 

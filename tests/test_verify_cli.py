@@ -860,8 +860,12 @@ assert pool.submit(int, 7).result() == 7
 start = _worker_cpu_seconds()
 worker = next(iter(pool._processes.values()))
 os.kill(worker.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends every process of the command
-worker.join(5)
-print("alive" if worker.is_alive() else "ended", worker.exitcode)
+# The pool's own thread also reaps a dead worker; while it does, the Process object reads as alive, so poll
+# (Process.join raced it: "alive None" on a fast machine, the project's CI of 2026-12-04).
+deadline = time.monotonic() + 5
+while worker.exitcode is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("alive" if worker.exitcode is None else "ended", worker.exitcode)
 print(_time_taken(time.perf_counter(), time.process_time(), start))
 """
 

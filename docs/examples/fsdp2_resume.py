@@ -124,6 +124,9 @@ def _run(rank: int, world: int, phase: str, steps: int, workdir: str) -> None:
             where = f"resumed from the 4-rank checkpoint and finished step {steps}"
         if rank == 0:
             print(f"{world} ranks: loss on rank 0's slice {loss:.4f}; {where}", flush=True)
+        # Every rank done before any tears the group down: a rank that destroyed it while rank 0 was still
+        # saving was once aborted by gloo ("terminate called without an active exception", 2026-12-04).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
