@@ -15,31 +15,41 @@ or for one run with ``pytest -p fismo_core.pytest_plugin``. It provides
 - the marker ``@pytest.mark.array_targets(backends=[...], dtypes=[...])``,
   which narrows ``array_target`` (and ``array_target64``) for one test.
 
-At start-up it pins true float32 matrix products (TF32 off in torch,
-``"highest"`` precision in JAX: `fismo_core.testing.pin_full_float32_matmuls`),
-so that ``target.tolerance`` holds. A test converts NumPy data with
-``array_target.asarray(a)``, reads results back with
+While a test that uses ``array_target`` (or ``array_target64``) runs,
+its target's settings are in effect (`fismo_core.testing.Target.configured`):
+true float32 matrix products (TF32 off in torch, ``"highest"`` precision
+in JAX), so that ``target.tolerance`` holds, and on JAX 64-bit types; they
+are restored after the test, so no other test sees them. Loading the plugin
+imports neither torch nor JAX (collecting a test that uses the fixtures
+does, to list the targets). A test converts NumPy data with
+``array_target.asarray(a)`` (a copy), reads results back with
 `fismo_core.testing.to_numpy`, and compares with ``array_target.tolerance``;
 or calls `fismo_core.testing.check_backends` once for the whole matrix.
+
+The fixtures are function-scoped (a fixture of wider scope cannot use
+them: parametrize it over `fismo_core.testing.targets()` itself). Markers
+stack: each ``array_targets`` marker that applies (on the function, its
+class, its module) narrows the selection further.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import pytest
 
-from .testing import Target, pin_full_float32_matmuls, targets
+from .testing import _TARGET_MAKERS, TOLERANCES, Target, targets
 
 _FIXTURES = {"array_target": None, "array_target64": ("float64",)}
+_MARKER = "array_targets"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "array_targets(backends=None, dtypes=None): run the array_target fixture on these backends and dtypes only",
+        f"{_MARKER}(backends=None, dtypes=None): run the array_target fixture on these backends and dtypes only",
     )
-    pin_full_float32_matmuls()
 
 
 def target_params(selected: list[Target]) -> list[Any]:
@@ -50,38 +60,82 @@ def target_params(selected: list[Target]) -> list[Any]:
     ]
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    for name, only in _FIXTURES.items():
-        if name not in metafunc.fixturenames:
-            continue
-        marker = metafunc.definition.get_closest_marker("array_targets")
-        if marker is not None and marker.args:  # would otherwise be ignored: every target would run
-            raise TypeError(f"array_targets takes keywords only (backends=[...], dtypes=[...]), got {marker.args!r}")
-        options = dict(marker.kwargs) if marker is not None else {}
-        unknown = sorted(set(options) - {"backends", "dtypes"})
+def _names(marker: pytest.Mark, key: str, where: str) -> Optional[list[str]]:
+    """The marker's ``backends`` or ``dtypes``: ``None`` (all), else a list of names without repeats."""
+    value = marker.kwargs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise TypeError(f"{where}: {key} must be a list of names, not the string {value!r}: {key}=[{value!r}]")
+    try:
+        names = list(value)
+    except TypeError:
+        raise TypeError(f"{where}: {key} must be a list of names, got {value!r}") from None
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{where}: {key} must be a list of names (strings), got {bad!r} among them")
+    return list(dict.fromkeys(names))  # a name given twice would run its targets twice
+
+
+def _selection(metafunc: pytest.Metafunc) -> tuple[Optional[list[str]], Optional[list[str]]]:
+    """``(backends, dtypes)`` that every ``array_targets`` marker of the test allows (``None``: any)."""
+    where = f"the {_MARKER} marker of {metafunc.definition.nodeid}"
+    backends: Optional[list[str]] = None
+    dtypes: Optional[list[str]] = None
+    for marker in metafunc.definition.iter_markers(_MARKER):
+        if marker.args:  # would otherwise be ignored: every target would run
+            raise TypeError(f"{_MARKER} takes keywords only (backends=[...], dtypes=[...]), got {marker.args!r}")
+        unknown = sorted(set(marker.kwargs) - {"backends", "dtypes"})
         if unknown:  # a typo (backend=...) would otherwise be ignored: every target would run
-            raise TypeError(f"array_targets takes backends=[...] and dtypes=[...], got unknown keywords {unknown}")
-        dtypes = options.get("dtypes")
+            raise TypeError(f"{_MARKER} takes backends=[...] and dtypes=[...], got unknown keywords {unknown}")
+        these_backends, these_dtypes = _names(marker, "backends", where), _names(marker, "dtypes", where)
+        for key, names, known in (("backends", these_backends, _TARGET_MAKERS), ("dtypes", these_dtypes, TOLERANCES)):
+            unknown_names = [n for n in names or () if n not in known]
+            if unknown_names:
+                raise ValueError(f"{where}: unknown {key} {unknown_names}: use names from {list(known)}")
+        if these_backends is not None:
+            backends = these_backends if backends is None else [b for b in backends if b in these_backends]
+        if these_dtypes is not None:
+            dtypes = these_dtypes if dtypes is None else [d for d in dtypes if d in these_dtypes]
+    return backends, dtypes
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    used = [name for name in _FIXTURES if name in metafunc.fixturenames]
+    if not used:
+        if any(m.name == _MARKER for m in metafunc.definition.own_markers):  # else it would be ignored
+            raise TypeError(f"the {_MARKER} marker of {metafunc.definition.nodeid} narrows the array_target "
+                            "fixtures, and the test uses neither array_target nor array_target64")
+        return
+    backends, dtypes = _selection(metafunc)
+    for name in used:
+        only = _FIXTURES[name]
+        chosen = dtypes
         if only is not None:
-            dtypes = [d for d in (only if dtypes is None else dtypes) if d in only]  # dtypes=[] leaves nothing
-            if not dtypes:  # array_target64 with dtypes=["float32"]: an empty parametrisation, silently
-                raise ValueError(f"the {name} fixture holds {only} targets only; the marker asks for {options['dtypes']}")
-        selected = targets(backends=options.get("backends"), dtypes=dtypes)
+            chosen = [d for d in (only if dtypes is None else dtypes) if d in only]  # dtypes=[] leaves nothing
+            if not chosen:  # array_target64 with dtypes=["float32"]: an empty parametrisation, silently
+                raise ValueError(f"the {name} fixture holds {only} targets only; the marker asks for {dtypes}")
+        selected = targets(backends=backends, dtypes=chosen)
         if not selected:  # backends=[] or dtypes=[]: pytest would skip the test as an empty parameter set
-            raise ValueError(f"the array_targets marker of {metafunc.definition.nodeid} selects no targets: {options}")
+            raise ValueError(f"the {_MARKER} marker of {metafunc.definition.nodeid} selects no targets "
+                             f"(backends={backends}, dtypes={dtypes})")
         metafunc.parametrize(name, target_params(selected), indirect=True)
 
 
 @pytest.fixture
-def array_target(request: pytest.FixtureRequest) -> Target:
-    """One (backend, device, dtype) of `fismo_core.testing.targets()`."""
-    return request.param
+def array_target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """One (backend, device, dtype) of `fismo_core.testing.targets()`, its settings in effect during the test."""
+    target: Target = request.param
+    with target.configured():
+        yield target
 
 
 @pytest.fixture
-def array_target64(request: pytest.FixtureRequest) -> Target:
-    """One float64 (backend, device)."""
-    return request.param
+def array_target64(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """One float64 (backend, device), its settings in effect during the test."""
+    target: Target = request.param
+    with target.configured():
+        yield target
 
 
 @pytest.fixture

@@ -57,13 +57,14 @@ TOLERANCES: dict[str, float] = {"float64": 1e-10, "float32": 1e-4}
 """Relative tolerance of a backend against the NumPy float64 reference, per
 dtype, on the verification trajectory (`VERIFY_SHAPES`, 50 steps,
 default hyperparameters; condition numbers of P and Q reach about 200).
-float64: measured worst case 1.8e-14 on torch and JAX (NumPy and
-array-api-strict share LAPACK and agree exactly); 1e-10 is the issue's bar
-and leaves four orders of headroom. float32: measured worst case 8.9e-6 on
-every backend (float32 rounding, 6e-8, amplified by eigh and Newton–Schulz
-along 50 steps); 1e-4 leaves a factor of 11 for other BLAS/LAPACK builds
-and GPUs while any formula error, which shows up at order 1e-1 or more,
-still fails. Measured with ``fismo verify``; see ``docs/verification.md``."""
+float64: worst case measured 1.0e-13 to 1.4e-13 on torch and JAX over the
+CPU kernel sets (NumPy and array-api-strict share LAPACK and agree
+exactly); 1e-10 is the issue's bar and leaves three orders of headroom.
+float32: worst case measured 3.0e-5 to 4.5e-5 (float32 rounding, 6e-8,
+amplified by eigh and Newton–Schulz along 50 steps); 1e-4 is two to three
+times that, while a formula error, which shows up at 1e-3 or more, still
+fails. Measured with ``fismo verify``; the table, the command and the
+kernel sets are in ``docs/verification.md`` ("Tolerances")."""
 
 VERIFY_SHAPES: tuple[tuple[int, ...], ...] = ((2, 16, 16), (10, 32), (2, 48, 16), (2, 16, 64))
 """Shapes of the seeded Gaussian streams: square (a batch of two), wide, tall (a batch) and wide (a batch).
@@ -86,6 +87,8 @@ class Target:
     reason: Optional[str] = None
     _namespace: Callable[[], Any] = field(default=lambda: None, repr=False, compare=False)
     _asarray: Callable[[Any, str], Any] = field(default=lambda a, d: None, repr=False, compare=False)
+    _settings: Callable[[], contextlib.AbstractContextManager[Any]] = field(
+        default=contextlib.nullcontext, repr=False, compare=False)
 
     @property
     def available(self) -> bool:
@@ -105,8 +108,27 @@ class Target:
         return TOLERANCES[self.dtype]
 
     def asarray(self, a: Any) -> Any:
-        """A NumPy array as an array of this target (backend, device and dtype)."""
+        """A NumPy array as a new array of this target (backend, device and dtype).
+
+        Always a copy: NumPy, array-api-strict and torch on the CPU could otherwise share the caller's
+        memory, and a routine that writes into its input would change the caller's data (and the next
+        test's)."""
         return self._asarray(a, self.dtype)
+
+    @contextlib.contextmanager
+    def configured(self) -> Iterator[None]:
+        """Within the block, the settings this target's `tolerance` was measured under; restored after.
+
+        True float32 matrix products (`full_float32_matmuls`) and, for JAX,
+        64-bit types (``jax.enable_x64``) in the calling thread: JAX's float64
+        target needs them, and they are on in ``fismo verify``, where the
+        tolerances were measured. The ``array_target`` fixtures and
+        `check_backends` run each target inside this, so neither leaves JAX's
+        x64 mode on for the rest of the process. Outside it, the first use of
+        a JAX target (``xp`` or ``asarray``) turns x64 on process-wide.
+        """
+        with full_float32_matmuls(), self._settings():
+            yield
 
 
 def to_numpy(x: Any) -> Any:
@@ -163,45 +185,86 @@ _PYTHON_NUMBERS = (bool, int, float, complex)
 
 
 def pin_full_float32_matmuls() -> None:
-    """Make float32 matmuls full float32 in every installed library: TF32 off, highest precision.
+    """Make float32 matmuls full float32 in torch and JAX, where they are imported: TF32 off, highest precision.
 
     Verification compares float32 against a tolerance measured with full
     float32 products; TF32 (10-bit mantissa, on by default for some GPU
-    settings) would fail it without any bug. Called by the test suite's
-    ``conftest.py`` and the pytest plugin; it changes process-wide settings of
-    torch and JAX and leaves them so (`full_float32_matmuls` restores them).
+    settings) would fail it without any bug. Called by this project's
+    ``tests/conftest.py``; it changes process-wide settings of torch and JAX
+    and leaves them so (`full_float32_matmuls` restores them). It imports
+    neither: a library imported afterwards keeps its own defaults.
     """
-    _set_matmul_settings(_FULL_FLOAT32)
-
-
-_FULL_FLOAT32 = {"torch": (False, False, "highest"), "jax": "highest"}
-
-
-def _matmul_settings() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    torch = _loaded("torch")
+    torch, jax = _imported("torch"), _imported("jax")
     if torch is not None:
-        out["torch"] = (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            torch.get_float32_matmul_precision(),
-        )
-    jax = _loaded("jax")
+        _pin_torch(torch)
     if jax is not None:
-        out["jax"] = jax.config.jax_default_matmul_precision
-    return out
+        jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def _set_matmul_settings(settings: Mapping[str, Any]) -> None:
-    torch = _loaded("torch")
-    if torch is not None and "torch" in settings:
-        cuda_tf32, cudnn_tf32, precision = settings["torch"]
-        torch.backends.cuda.matmul.allow_tf32 = cuda_tf32
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
-        torch.set_float32_matmul_precision(precision)
-    jax = _loaded("jax")
-    if jax is not None and "jax" in settings:
-        jax.config.update("jax_default_matmul_precision", settings["jax"])
+_TORCH_FP32_LEAVES = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+"""The operations of torch's ``fp32_precision`` settings (torch >= 2.9), as ``torch.backends`` paths."""
+
+
+def _torch_fp32_leaves(torch: Any) -> dict[str, Any]:
+    """The ``torch.backends`` objects that hold an ``fp32_precision`` (none before torch 2.9)."""
+    leaves = {}
+    for path in _TORCH_FP32_LEAVES:
+        holder = torch.backends
+        for part in path.split("."):
+            holder = getattr(holder, part, None)
+        if holder is not None and hasattr(holder, "fp32_precision"):
+            leaves[path] = holder
+    return leaves
+
+
+def _torch_settings(torch: Any) -> dict[str, Any]:
+    """torch's float32 matmul settings, read without mixing its two APIs.
+
+    Since torch 2.9 the per-operation ``fp32_precision`` settings are what
+    its kernels read; the older ``allow_tf32`` flags and
+    ``get_float32_matmul_precision()`` raise ``RuntimeError`` once a program
+    has set the newer ones (torch's own advice: use only the new API).
+    """
+    leaves = _torch_fp32_leaves(torch)
+    if not leaves:  # torch < 2.9: the older API only
+        return {"cuda": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32,
+                "precision": torch.get_float32_matmul_precision()}
+    settings: dict[str, Any] = {path: holder.fp32_precision for path, holder in leaves.items()}
+    try:
+        settings["precision"] = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the program set the new API: the older reading refuses, and is not restored
+        pass
+    return settings
+
+
+def _pin_torch(torch: Any) -> None:
+    """TF32 (and bfloat16) off for float32 in every torch operation that has the switch."""
+    torch.set_float32_matmul_precision("highest")  # in both APIs: keeps torch's older reading consistent
+    leaves = _torch_fp32_leaves(torch)
+    if not leaves:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    for holder in leaves.values():
+        holder.fp32_precision = "ieee"
+
+
+def _restore_torch(torch: Any, settings: Mapping[str, Any]) -> None:
+    """Undo `_pin_torch`: the settings `_torch_settings` read, written back through the same API."""
+    if "precision" in settings:
+        torch.set_float32_matmul_precision(settings["precision"])
+    leaves = _torch_fp32_leaves(torch)
+    if not leaves:
+        torch.backends.cuda.matmul.allow_tf32 = settings["cuda"]
+        torch.backends.cudnn.allow_tf32 = settings["cudnn"]
+    for path, holder in leaves.items():
+        holder.fp32_precision = settings[path]
+
+
+def _imported(name: str) -> Any:
+    """The module ``name`` if this process has imported it, else ``None`` (never imports it)."""
+    import sys
+
+    return sys.modules.get(name)
 
 
 def _loaded(name: str) -> Any:
@@ -215,18 +278,26 @@ def _loaded(name: str) -> Any:
 def full_float32_matmuls() -> Iterator[None]:
     """Within the block, float32 matrix products are true float32 in torch and JAX; the settings are restored after.
 
-    torch: ``torch.backends.cuda.matmul.allow_tf32`` and
-    ``torch.backends.cudnn.allow_tf32`` off, ``set_float32_matmul_precision
-    ("highest")``; JAX: ``jax_default_matmul_precision = "highest"``. CuPy
-    reads its TF32 switch (``CUPY_TF32``) from the environment at import:
-    leave it unset. `check_backends` and ``fismo verify`` run inside this.
+    torch (process-wide): TF32 off, through the API the program uses
+    (``torch.backends.cuda.matmul.fp32_precision = "ieee"`` and its cuDNN
+    and oneDNN twins since torch 2.9; ``allow_tf32`` off before) and
+    ``set_float32_matmul_precision("highest")``. JAX:
+    ``jax.default_matmul_precision("highest")`` in the calling thread, which
+    also overrides a precision the caller set with that context manager.
+    Only libraries already imported when the block starts are changed; none
+    is imported. CuPy reads its TF32 switch (``CUPY_TF32``) from the
+    environment at import: leave it unset. `check_backends` and ``fismo
+    verify`` run inside this.
     """
-    before = _matmul_settings()
-    _set_matmul_settings(_FULL_FLOAT32)
-    try:
+    torch, jax = _imported("torch"), _imported("jax")
+    with contextlib.ExitStack() as stack:
+        if torch is not None:
+            saved = _torch_settings(torch)
+            stack.callback(_restore_torch, torch, saved)
+            _pin_torch(torch)
+        if jax is not None:
+            stack.enter_context(jax.default_matmul_precision("highest"))
         yield
-    finally:
-        _set_matmul_settings(before)
 
 
 class _BrokenInstall(ImportError):
@@ -261,7 +332,7 @@ def _numpy_targets() -> Iterator[Target]:
         yield Target(
             "numpy", "cpu", dtype,
             _namespace=lambda: array_namespace(np.empty(0)),
-            _asarray=lambda a, d: np.asarray(a, dtype=d),
+            _asarray=lambda a, d: np.array(a, dtype=d, copy=True),
         )
 
 
@@ -277,7 +348,7 @@ def _strict_targets() -> Iterator[Target]:
         yield Target(
             "array_api_strict", "CPU_DEVICE", dtype,
             _namespace=lambda: xs,
-            _asarray=lambda a, d: xs.asarray(a, dtype=getattr(xs, d)),
+            _asarray=lambda a, d: xs.asarray(a, dtype=getattr(xs, d), copy=True),
         )
 
 
@@ -308,7 +379,7 @@ def _torch_asarray(torch: Any, a: Any, dtype: str, *, device: str) -> Any:
 
     # Cast by NumPy first: torch takes neither a big-endian array (FITS data, a '>f8' file) nor a longdouble
     # one, and aborted the whole check; NumPy's cast rounds as torch's would.
-    return torch.asarray(np.asarray(a, dtype=dtype), device=device)
+    return torch.asarray(np.asarray(a, dtype=dtype), device=device, copy=True)
 
 
 def _jax_targets() -> Iterator[Target]:
@@ -320,16 +391,35 @@ def _jax_targets() -> Iterator[Target]:
         for dtype in ("float64", "float32"):
             yield Target("jax", "cpu", dtype, reason=reason)
         return
-    # float64 needs x64 mode; it is a process-wide switch of JAX's.
-    jax.config.update("jax_enable_x64", True)
     # Arrays go to JAX's default device: label the target with its platform ("cpu", "gpu", ...).
     platform = jax.default_backend()
+
+    def namespace() -> Any:
+        _x64_in_effect(jax)
+        return jnp
+
+    def asarray(a: Any, d: str) -> Any:
+        _x64_in_effect(jax)
+        return jnp.array(a, dtype=getattr(jnp, d), copy=True)
+
     for dtype in ("float64", "float32"):
-        yield Target(
-            "jax", platform, dtype,
-            _namespace=lambda: jnp,
-            _asarray=lambda a, d: jnp.asarray(a, dtype=getattr(jnp, d)),
-        )
+        yield Target("jax", platform, dtype, _namespace=namespace, _asarray=asarray,
+                     _settings=functools.partial(_jax_x64, jax))
+
+
+def _jax_x64(jax: Any) -> contextlib.AbstractContextManager[Any]:
+    """JAX's 64-bit types in the calling thread, for the duration of a ``with`` (older JAX: its experimental twin)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    experimental = importlib.import_module("jax.experimental")  # jax < 0.7
+    return experimental.enable_x64(True)
+
+
+def _x64_in_effect(jax: Any) -> None:
+    """Turn JAX's x64 mode on process-wide unless it is on here already (inside `Target.configured`, say):
+    JAX's float64 target needs it, and without it a float64 array is silently float32."""
+    if not jax.config.jax_enable_x64:
+        jax.config.update("jax_enable_x64", True)
 
 
 def _cupy_targets() -> Iterator[Target]:
@@ -360,20 +450,16 @@ def targets(*, backends: Optional[Iterable[str]] = None, dtypes: Optional[Iterab
     ``backends`` (names: ``"numpy"``, ``"array_api_strict"``, ``"torch"``,
     ``"jax"``, ``"cupy"``) and ``dtypes`` (``"float64"``, ``"float32"``)
     select a subset; an unknown name is a ``ValueError``, a single string (not
-    a list of names) a ``TypeError``. Listing the JAX targets turns on JAX's
-    process-wide ``jax_enable_x64`` (its float64 arrays need it), so JAX's
-    default dtype is float64 afterwards in the whole process.
+    a list of names) a ``TypeError``. Listing changes no setting; using a
+    JAX target (its ``xp`` or ``asarray``) outside `Target.configured`
+    turns on JAX's process-wide ``jax_enable_x64`` (its float64 arrays need
+    it), so that JAX's default dtype is float64 afterwards in the whole
+    process.
     """
     for name, value in (("backends", backends), ("dtypes", dtypes)):
         if isinstance(value, str):
             raise TypeError(f"{name} must be a list of names, not the string {value!r}: {name}=[{value!r}]")
-    makers = {
-        "numpy": _numpy_targets,
-        "array_api_strict": _strict_targets,
-        "torch": _torch_targets,
-        "jax": _jax_targets,
-        "cupy": _cupy_targets,
-    }
+    makers = _TARGET_MAKERS
     chosen = list(makers) if backends is None else list(backends)
     wanted = None if dtypes is None else set(dtypes)
     for name in chosen:
@@ -386,6 +472,15 @@ def targets(*, backends: Optional[Iterable[str]] = None, dtypes: Optional[Iterab
         out.extend(t for t in makers[name]() if wanted is None or t.dtype in wanted)
     return out
 
+
+_TARGET_MAKERS: dict[str, Callable[[], Iterator[Target]]] = {
+    "numpy": _numpy_targets,
+    "array_api_strict": _strict_targets,
+    "torch": _torch_targets,
+    "jax": _jax_targets,
+    "cupy": _cupy_targets,
+}
+"""Each backend's name, as `targets` takes it, and what lists its targets."""
 
 _all_targets = targets  # for check_backends, whose ``targets`` argument shadows the function
 
@@ -432,6 +527,7 @@ def run_trajectory(
 def max_relative_error(got: Any, reference: Any) -> float:
     """``||got - reference||_F / ||reference||_F``, per matrix over the last two axes and worst over a batch.
 
+    Either may be an array of any supported backend (read through `to_numpy`), or nested lists.
     Arrays of fewer than two dimensions are compared as one vector. A zero
     reference makes the error absolute; a NaN or infinity of ``got`` is
     ``inf`` unless the reference has the same one in the same place (as
@@ -440,7 +536,9 @@ def max_relative_error(got: Any, reference: Any) -> float:
     """
     import numpy as np
 
-    got, reference = to_numpy(got), to_numpy(np.asarray(reference))
+    # Nested lists pass through NumPy; an array of any backend through `to_numpy` (a torch reference that
+    # requires grad, or is bfloat16, was refused by NumPy).
+    got, reference = (to_numpy(np.asarray(v) if isinstance(v, (list, tuple)) else v) for v in (got, reference))
     if got.shape != reference.shape:
         raise ValueError(f"shape {got.shape} does not match the reference's {reference.shape}")
     return float(np.max(relative_errors(got, reference), initial=0.0))
@@ -589,7 +687,9 @@ class Report(list):
             t = r.target
             steps = ((str(r.steps) if r.steps is not None and r.error is not None else "-"),) if with_steps else ()
             error = "-" if r.error is None else f"{r.error:.2e}"
-            rows.append((t.backend, t.device, t.dtype, *steps, error, _tolerance_text(r.tolerance), r.verdict))
+            first, *more = r.verdict.splitlines() or [""]  # one row per target: a long message is in explain()
+            verdict = f"{first} [...; the rest in Report.explain()]" if more else first
+            rows.append((t.backend, t.device, t.dtype, *steps, error, _tolerance_text(r.tolerance), verdict))
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
         lines = []
         for row in [header, *rows]:
@@ -814,12 +914,15 @@ def check_backends(
     """Run ``fn`` on every installed backend, device and dtype, and compare with NumPy float64.
 
     ``fn`` is any array-API function (it finds its namespace with
-    ``array_api_compat.array_namespace`` from its inputs). Every floating
-    NumPy array among ``args`` and ``kwargs`` (at least one) is converted to
-    each target's backend, device and dtype; other arguments are passed
-    unchanged; the reference call gets them as NumPy float64. Every call gets
-    its own copies, so a ``fn`` that writes into its input changes neither
-    the caller's arrays nor the reference. The outputs (an
+    ``array_api_compat.array_namespace`` from its inputs). Every NumPy
+    array among ``args`` and ``kwargs`` is converted to each target's
+    backend and device: floating ones (at least one floating or complex
+    array is needed) to its dtype, complex ones to its complex dtype,
+    integer and boolean ones (indices, masks) keeping theirs; other
+    arguments are passed unchanged; the reference call gets float64 and
+    complex128. Every call gets its own copies, so a ``fn`` that writes into
+    its input changes neither the caller's arrays nor the reference. Each
+    target runs inside `Target.configured`. The outputs (an
     array, or tuples, lists, dicts and named tuples of arrays, nested) are
     checked one by one: each must be an array of the inputs' namespace
     (``array_api_compat.array_namespace`` of the converted inputs: a NumPy
@@ -903,28 +1006,39 @@ def check_backends(
             raise ValueError(f"no tolerance for dtype {t.dtype!r} in {dict(tolerances)}")
     _check_out_dtypes(out_dtypes)
 
-    def floating(value: Any) -> bool:
-        return isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)
+    def inexact(value: Any) -> bool:
+        return isinstance(value, np.ndarray) and value.dtype.kind in "fc"
 
-    if not any(floating(v) for v in (*args, *kwargs.values())):
-        raise ValueError("check_backends needs at least one floating NumPy array among the arguments of fn: "
-                         "those are what it converts to each target (arrays inside lists, tuples or dicts are "
-                         "not converted: pass them as arguments of their own)")
+    def exact(value: Any) -> bool:
+        return isinstance(value, np.ndarray) and value.dtype.kind in "biu"
 
-    def convert(asarray: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any], list[Any]]:
-        """``fn``'s arguments with the floating arrays converted, and those converted arrays.
+    if not any(inexact(v) for v in (*args, *kwargs.values())):
+        raise ValueError("check_backends needs at least one floating (or complex) NumPy array among the "
+                         "arguments of fn: those are what it converts to each target's dtype (arrays inside "
+                         "lists, tuples or dicts are not converted: pass them as arguments of their own)")
 
-        Each conversion starts from a copy: NumPy and torch could otherwise share the caller's memory,
-        and a ``fn`` that writes into its input would change the caller's arrays, the reference and
-        the next target's input."""
-        a = [asarray(np.array(v, copy=True)) if floating(v) else v for v in args]
-        k = {name: asarray(np.array(v, copy=True)) if floating(v) else v for name, v in kwargs.items()}
-        converted = [c for c, v in zip((*a, *k.values()), (*args, *kwargs.values())) if floating(v)]
+    def convert(to: Callable[[Any, str], Any], dtype: str) -> tuple[list[Any], dict[str, Any], list[Any]]:
+        """``fn``'s arguments as new arrays of one backend (``to(array, dtype name)``, a copy), and those arrays.
+
+        Floating arrays get ``dtype``, complex ones the complex dtype of ``dtype``; integer and boolean
+        ones (indices, masks) keep their own. Other arguments are passed unchanged. Each call gets its
+        own copies, so that a ``fn`` that writes into its input changes neither the caller's arrays, nor
+        the reference, nor the next target's input."""
+        def one(v: Any) -> Any:
+            if exact(v):
+                return to(v, v.dtype.name)
+            if inexact(v):
+                return to(v, _COMPLEX_OF[dtype] if v.dtype.kind == "c" else dtype)
+            return v
+
+        a = [one(v) for v in args]
+        k = {name: one(v) for name, v in kwargs.items()}
+        converted = [c for c, v in zip((*a, *k.values()), (*args, *kwargs.values())) if inexact(v)]
         return a, k, converted
 
     report = Report()
     with full_float32_matmuls():
-        a, k, _ = convert(lambda v: np.asarray(v, dtype=np.float64))
+        a, k, _ = convert(lambda v, d: np.array(v, dtype=d, copy=True), "float64")
         reference = _flatten(fn(*a, **k))
         for name, value in reference.items():
             if not (value is None or type(value) in _PYTHON_NUMBERS or isinstance(value, (np.ndarray, np.generic))):
@@ -937,7 +1051,8 @@ def check_backends(
             if not t.available:
                 report.append(Result(t, None, tolerance))
                 continue
-            report.append(_check_target(fn, t, tolerance, convert, reference, reference64, declared))
+            with t.configured():
+                report.append(_check_target(fn, t, tolerance, convert, reference, reference64, declared))
     return report
 
 
@@ -945,7 +1060,7 @@ def _check_target(
     fn: Callable[..., Any],
     target: Target,
     tolerance: float,
-    convert: Callable[[Callable[[Any], Any]], tuple[list[Any], dict[str, Any], list[Any]]],
+    convert: Callable[[Callable[[Any, str], Any], str], tuple[list[Any], dict[str, Any], list[Any]]],
     reference: Mapping[str, Any],
     reference64: Mapping[str, Any],
     declared: Mapping[str, str],
@@ -954,8 +1069,9 @@ def _check_target(
     from array_api_compat import array_namespace, device
 
     try:
-        a, k, converted = convert(target.asarray)
-        expected = _Expected(array_namespace(*converted), device(converted[0]), converted[0].dtype)
+        a, k, converted = convert(target._asarray, target.dtype)
+        xp = array_namespace(*converted)
+        expected = _Expected(xp, device(converted[0]), getattr(xp, target.dtype))
     except Exception as exc:
         raise HarnessError(f"check_backends could not convert the inputs to {target.id} "
                            f"({type(exc).__name__}: {exc})") from exc

@@ -652,7 +652,7 @@ def _time_taken(wall_start: float, cpu_start: float, worker_start: Optional[floa
 
 def _jax_worker_init() -> None:
     end_quietly_on_interrupt()
-    targets(backends=["jax"])  # imports JAX and switches on x64, as in the parent
+    targets(backends=["jax"])  # imports JAX now, while the parent computes the reference (x64: at first use)
 
 
 def _jax_worker(optimizer: FISMO, ids: Sequence[str], reference: Reference) -> list[dict[str, Any]]:

@@ -4,9 +4,11 @@ Targets come from :func:`fismo_core.testing.targets`, the same list ``fismo
 verify`` uses; a target whose library or device is missing is skipped with
 the reason (CuPy and torch CUDA skip here unless a CUDA device is present).
 The project's own pytest plugin (``fismo_core.pytest_plugin``, also usable by
-anyone) is loaded too: it pins true float32 matrix products (TF32 off) and
-provides the public ``array_target`` fixtures, exercised by
-``tests/test_harness.py``.
+anyone) is loaded too: it provides the public ``array_target`` fixtures,
+exercised by ``tests/test_harness.py``. For the whole session this file pins
+true float32 matrix products (TF32 off) and turns JAX's x64 mode on, as
+``fismo verify`` does: the tolerances were measured so, and the ``target``
+fixtures (unlike the plugin's) do not scope those settings per test.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ os.environ.setdefault(
 pytest.register_assert_rewrite("fismo_core.pytest_plugin")  # imported below, before pytest loads it as a plugin
 
 from fismo_core.pytest_plugin import target_params  # noqa: E402
-from fismo_core.testing import Target, targets  # noqa: E402
+from fismo_core.testing import Target, pin_full_float32_matmuls, targets  # noqa: E402
 
 pytest_plugins = ["fismo_core.pytest_plugin", "pytester"]  # pytester: tests/test_harness.py runs the plugin
 
 ALL_TARGETS = targets()
+pin_full_float32_matmuls()  # after targets(), which imported torch and JAX (the pin imports neither)
+if any(t.backend == "jax" and t.available for t in ALL_TARGETS):
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # the float64 targets need it; many tests build JAX arrays directly
 
 
 @pytest.fixture(params=target_params(ALL_TARGETS))

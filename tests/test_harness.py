@@ -125,17 +125,39 @@ def test_nested_outputs_are_named_in_order() -> None:
     assert list(report[0].details) == ["output.left", "output.right[0]", "output.right[1]['sum']"]
 
 
-def test_non_array_arguments_pass_unchanged() -> None:
+def test_integer_and_boolean_arrays_are_converted_with_their_dtype_and_other_arguments_pass_unchanged() -> None:
+    """An index or mask array was passed to every target as NumPy: torch's ``where`` and array-api-strict's
+    ``take`` then failed the row, blaming the function (a user's hunt, 2026-12-03). Now it reaches each target
+    as an array of its backend and device, with its own dtype, a copy; Python numbers pass unchanged."""
     seen = []
-    columns = np.array([4, 0, 2])  # an integer NumPy array: passed as is, not part of the expected namespace
+    columns, keep = np.array([4, 0, 2]), np.array([True, False, True])
 
-    def f(x: Any, axis: int, index: Any, *, scale: float) -> Any:
-        seen.append((axis, scale, index is columns))
+    def f(x: Any, axis: int, index: Any, mask: Any, *, scale: float) -> Any:
         xp = array_namespace(x)
-        return xp.take(xp.sum(x, axis=axis), xp.asarray(index, device=array_device(x)), axis=-1) * scale
+        seen.append((axis, scale, index is columns, array_namespace(index, mask) is xp,
+                     array_device(index) == array_device(x), str(index.dtype).rsplit(".", 1)[-1],
+                     str(mask.dtype).rsplit(".", 1)[-1]))
+        return xp.where(mask, xp.take(xp.sum(x, axis=axis), index, axis=-1), 0.0) * scale
 
-    report = check_backends(f, X, 1, columns, scale=2.0, targets=[t for t in AVAILABLE if t.dtype == "float64"])
-    assert report.ok and set(seen) == {(1, 2.0, True)}, report.explain()
+    report = check_backends(f, X, 1, columns, keep, scale=2.0)
+    assert report.ok, report.explain()
+    assert set(seen) == {(1, 2.0, False, True, True, "int64", "bool")}
+
+
+def test_complex_inputs_get_the_complex_dtype_of_the_target() -> None:
+    """A complex input was passed as NumPy complex128 to every target: a float32 row computed in float64
+    and failed its dtype, torch's and array-api-strict's raised. Now complex64 on float32, complex128 on
+    float64, like the outputs (`test_a_complex_output_has_the_complex_dtype_of_the_targets_floating_one`)."""
+    z = X[0] + 1j * X[1]
+
+    def f(w: Any, x: Any) -> Any:
+        xp = array_namespace(w, x)
+        return xp.real(w * xp.conj(w)) + x[0, ...]
+
+    report = check_backends(f, z, X)
+    assert report.ok, report.explain()
+    only_complex = check_backends(lambda w: w * 2, z)  # a complex array alone says the precision too
+    assert only_complex.ok, only_complex.explain()
 
 
 def test_a_raising_target_fails_its_row_and_a_raising_reference_propagates() -> None:
@@ -155,6 +177,24 @@ def test_a_raising_target_fails_its_row_and_a_raising_reference_propagates() -> 
 
     with pytest.raises(ValueError, match="reference fails"):
         check_backends(broken, X)
+
+
+def test_a_message_of_several_lines_keeps_the_table_one_row_per_target() -> None:
+    """torch's ``TypeError`` for a bad call lists every overload, one per line: the table's row broke over
+    a dozen lines. The row keeps the first line; `Report.explain` keeps the whole message."""
+    calls = []
+
+    def g(x: Any) -> Any:
+        calls.append(x)
+        if len(calls) > 1:  # the NumPy float64 reference is the first call
+            raise ValueError("the first line\nthe second line")
+        return x
+
+    report = check_backends(g, X, targets=NUMPY)
+    lines = report.table().splitlines()
+    assert len(lines) == 2 + len(NUMPY), report.table()
+    assert lines[-1].endswith("FAIL (ValueError: the first line [...; the rest in Report.explain()]")
+    assert "the second line" in report.explain()
 
 
 def test_shape_mismatch_fails_and_names_both_shapes() -> None:
@@ -209,6 +249,16 @@ def test_max_relative_error_holds_for_subnormal_numbers() -> None:
     z = tiny * (1 + 1j)
     assert max_relative_error(z, z.copy()) == 0.0
     assert max_relative_error(np.conj(z), z) == pytest.approx(math.sqrt(2.0), rel=1e-12)  # |2 Im z| / |z|
+
+
+def test_max_relative_error_takes_a_reference_of_any_backend() -> None:
+    """The reference went through ``numpy.asarray``: a torch reference that requires grad, or is bfloat16,
+    raised (``got`` of the same kinds was accepted). Both sides now go through `to_numpy`."""
+    torch = pytest.importorskip("torch")
+    a = np.arange(4.0).reshape(2, 2)
+    assert max_relative_error(a, torch.asarray(a).requires_grad_()) == 0.0
+    assert max_relative_error(a, torch.asarray(a).to(torch.bfloat16)) == 0.0  # 0 to 3 are exact in bfloat16
+    assert max_relative_error([[0.0, 1.0], [2.0, 4.0]], [[0.0, 1.0], [2.0, 3.0]]) == pytest.approx(1 / math.sqrt(14))
 
 
 def test_complex_outputs_are_compared_with_their_imaginary_part() -> None:
@@ -571,8 +621,10 @@ def test_bad_arguments_are_refused_before_fn_runs() -> None:
         calls.append(x)
         return x
 
-    with pytest.raises(ValueError, match="needs at least one floating NumPy array"):
+    with pytest.raises(ValueError, match=r"needs at least one floating \(or complex\) NumPy array"):
         check_backends(f, [1.0, 2.0], targets=NUMPY)
+    with pytest.raises(ValueError, match=r"needs at least one floating \(or complex\) NumPy array"):
+        check_backends(f, np.arange(3), targets=NUMPY)  # an integer array alone gives no precision to check
     with pytest.raises(ValueError, match=r"arrays inside lists, tuples or dicts are not converted"):
         check_backends(f, [X], targets=NUMPY)
     with pytest.raises(TypeError, match=r"got the Target numpy-cpu-float64 alone: pass \[target\]"):
@@ -789,6 +841,14 @@ def test_plugin_refuses_a_positional_marker_argument(pytester: pytest.Pytester) 
     ("array_targets(dtypes=[])", "array_target64", "*holds ('float64',) targets only*"),
     ("array_targets(dtypes=[])", "array_target", "*selects no targets*"),
     ("array_targets(backends=[])", "array_target", "*selects no targets*"),
+    # dtypes="float64" on array_target64 said it "holds ('float64',) targets only" (its letters were
+    # compared), backends=3 raised a bare TypeError, and a marker on a test without the fixtures was
+    # ignored (a user's hunt, 2026-12-03).
+    ('array_targets(dtypes="float64")', "array_target64", "*dtypes must be a list of names, not the string 'float64'*"),
+    ('array_targets(dtypes=["float16"])', "array_target64", "*unknown dtypes ?'float16'?*"),
+    ("array_targets(backends=3)", "array_target", "*backends must be a list of names, got 3*"),
+    ('array_targets(backends=["torhc"])', "array_target", "*unknown backends ?'torhc'?*"),
+    ('array_targets(backends=["numpy"])', "tmp_path", "*the test uses neither array_target nor array_target64*"),
 ])
 def test_plugin_refuses_a_marker_it_would_ignore(pytester: pytest.Pytester, marker: str, fixture: str, error: str) -> None:
     """A misspelt keyword (``backend=``) ran every target; ``array_target64`` asked for float32 gave an
@@ -805,6 +865,150 @@ def test_plugin_refuses_a_marker_it_would_ignore(pytester: pytest.Pytester, mark
     result = pytester.runpytest_inprocess("-p", "fismo_core.pytest_plugin", "-q")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([error])
+
+
+def test_target_asarray_is_a_copy(target: Target) -> None:
+    """NumPy, array-api-strict and torch (same dtype, on the CPU) shared the caller's memory: a routine
+    that wrote into its input changed the test's data, and the next test saw it (a user's hunt,
+    2026-12-03)."""
+    data = X.copy()
+    converted = target.asarray(data)
+    data[...] = 0.0  # the caller's array changes; the target's must not
+    assert np.array_equal(to_numpy(converted), X.astype(target.dtype))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestAssertRewriteWarning")
+def test_plugin_markers_stack(pytester: pytest.Pytester) -> None:
+    """Only the closest ``array_targets`` marker counted: a module's ``backends`` with a function's
+    ``dtypes`` ran every backend, and two decorators kept the inner one only. Each marker narrows."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        pytestmark = pytest.mark.array_targets(backends=["numpy", "array_api_strict"])
+
+        @pytest.mark.array_targets(dtypes=["float32"])
+        def test_module_and_function(array_target):
+            pass
+
+        @pytest.mark.array_targets(backends=["numpy", "numpy"])
+        @pytest.mark.array_targets(dtypes=["float64"])
+        def test_two_decorators_and_a_repeated_name(array_target):
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "fismo_core.pytest_plugin", "-v")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines_random([
+        "*test_module_and_function?numpy-cpu-float32? PASSED*",
+        "*test_module_and_function?array_api_strict-CPU_DEVICE-float32? PASSED*",
+        "*test_two_decorators_and_a_repeated_name?numpy-cpu-float64? PASSED*",
+    ])
+
+
+_JAX_DEFAULTS = """
+import jax.numpy as jnp
+
+def test_{name}():
+    assert jnp.zeros(3).dtype == jnp.float32  # JAX's own default, x64 off
+"""
+
+
+@pytest.mark.skipif(not any(t.backend == "jax" and t.available for t in targets()), reason="JAX is not installed")
+def test_plugin_leaves_no_setting_behind(pytester: pytest.Pytester) -> None:
+    """Collecting a test that used the fixtures switched JAX's x64 on for the whole session (earlier tests and
+    deselected runs included), and loading the plugin imported torch and JAX. Now a JAX target's settings hold
+    during its test only, and the plugin imports nothing until a test uses it. A fresh process: this
+    session's conftest turns x64 on."""
+    pytester.makepyfile(
+        test_a_before=_JAX_DEFAULTS.format(name="before"),
+        test_b_targets="""
+            import jax.numpy as jnp
+            import pytest
+
+            @pytest.mark.array_targets(backends=["jax"])
+            def test_jax(array_target, array_xp):
+                x = array_target.asarray([1.0, 2.0])
+                assert x.dtype == getattr(jnp, array_target.dtype)
+                assert array_xp.zeros(3).dtype == jnp.float64  # x64 on, as in fismo verify
+        """,
+        test_c_after=_JAX_DEFAULTS.format(name="after"),
+    )
+    result = pytester.runpytest_subprocess("-p", "fismo_core.pytest_plugin", "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=4)
+    result = pytester.runpytest_subprocess("-p", "fismo_core.pytest_plugin", "-p", "no:cacheprovider", "-q",
+                                           "-k", "after")  # the x64 switch came at collection
+    result.assert_outcomes(passed=1, deselected=3)
+
+    pytester.makepyfile(test_a_before="""
+        import sys
+
+        def test_nothing_imported():
+            assert not {"torch", "jax"} & set(sys.modules)
+    """)
+    result = pytester.runpytest_subprocess("-p", "fismo_core.pytest_plugin", "-p", "no:cacheprovider", "-q",
+                                           "test_a_before.py")
+    result.assert_outcomes(passed=1)
+
+
+def _fresh_process(script: str) -> str:
+    """What ``script`` prints, run by this Python in a new process (which must succeed)."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.skipif(not any(t.backend == "jax" and t.available for t in targets()), reason="JAX is not installed")
+def test_check_backends_leaves_jaxs_x64_as_it_was() -> None:
+    """It listed the targets, which switched x64 on for the rest of the process; the JAX float64 row still
+    runs in float64 (inside `Target.configured`)."""
+    script = (
+        "import jax, numpy as np\n"
+        "from fismo_core.testing import check_backends, targets\n"
+        "seen = []\n"
+        "report = check_backends(lambda x: seen.append(str(x.dtype)) or x * 2, np.ones(3), "
+        "targets=targets(backends=['jax']))\n"
+        "print(report.ok, sorted(set(seen)), jax.config.jax_enable_x64, jax.numpy.zeros(1).dtype)\n"
+    )
+    assert _fresh_process(script).split() == ["True", "['float32',", "'float64']", "False", "float32"]
+
+
+def test_full_float32_matmuls_reads_and_restores_torchs_newer_api() -> None:
+    """A program that set TF32 through torch's newer API (``fp32_precision``, torch >= 2.9, as torch
+    advises) made `check_backends` raise torch's "mix of the legacy and new APIs" ``RuntimeError``: it
+    read ``allow_tf32``. A fresh process, since that state makes torch's older reading raise."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip(f"torch {torch.__version__} has no fp32_precision settings (torch < 2.9)")
+    script = (
+        "import numpy as np, torch\n"
+        "from fismo_core.testing import check_backends, full_float32_matmuls, targets\n"
+        "leaves = [torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul]\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
+        "torch.backends.mkldnn.matmul.fp32_precision = 'bf16'\n"
+        "before = [leaf.fp32_precision for leaf in leaves]\n"
+        "with full_float32_matmuls():\n"
+        "    inside = [leaf.fp32_precision for leaf in leaves]\n"
+        "report = check_backends(lambda x: x @ x.T, np.ones((3, 3)), targets=targets(backends=['torch']))\n"
+        "print(before, inside, [leaf.fp32_precision for leaf in leaves], report.ok)\n"
+    )
+    before, inside, after, ok = _fresh_process(script).strip().split("] ")
+    assert before == after == "['tf32', 'tf32', 'bf16'"
+    assert inside == "['ieee', 'ieee', 'ieee'" and ok == "True"
+
+
+@pytest.mark.skipif(not any(t.backend == "jax" and t.available for t in targets()), reason="JAX is not installed")
+def test_full_float32_matmuls_overrides_a_jax_precision_scope_and_leaves_it() -> None:
+    """Inside the caller's ``jax.default_matmul_precision("bfloat16")`` the harness's "highest" was not in
+    effect (a scoped value wins over the global one it set), and restoring wrote "bfloat16" as the global."""
+    import jax
+
+    global_before = jax.config.jax_default_matmul_precision
+    with jax.default_matmul_precision("bfloat16"):
+        with full_float32_matmuls():
+            assert jax.config.jax_default_matmul_precision == "highest"
+        assert jax.config.jax_default_matmul_precision == "bfloat16"
+    assert jax.config.jax_default_matmul_precision == global_before
 
 
 def test_targets_refuses_a_single_string() -> None:

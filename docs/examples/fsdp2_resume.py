@@ -29,7 +29,6 @@ import os
 import sys
 import tempfile
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
