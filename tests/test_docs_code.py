@@ -69,13 +69,13 @@ model = _TinyLM()
 matrices = [p for name, p in model.named_parameters() if p.ndim == 2 and not name.startswith(("embed", "head"))]
 """
 
+# A file store in the page's own folder (a tmp_path): a free port picked and closed before TCPStore bound it
+# could be taken by another process in between (the suite runs files in parallel).
 _ONE_RANK_GLOO = """
-import os, socket
+import os
 import torch.distributed
-with socket.socket() as _s:
-    _s.bind(("127.0.0.1", 0))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
-torch.distributed.init_process_group("gloo")
+torch.distributed.init_process_group("gloo", init_method="file://" + os.path.abspath("gloo-store"), rank=0,
+                                     world_size=1)
 """
 
 # (page, a line of the block) -> code run just before that block: what the page assumes the reader has.

@@ -132,7 +132,7 @@ def test_exact_polar_is_a_partial_isometry_of_the_input_rank(target: Target, cas
             assert np.min(np.linalg.eigvalsh((H + H.T) / 2)) >= -tol * scale
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)  # the same draws on every run and machine
 @given(seed=st.integers(0, 2**32 - 1), m=st.integers(2, 9), n=st.integers(2, 9), data=st.data())
 def test_exact_polar_has_minimum_norm_among_maximisers(seed: int, m: int, n: int, data: st.DataObject) -> None:
     """Theorem 2's problem max <X, D> s.t. ||D||_2 <= 1 is solved by every Y + U_0 Z V_0^T (||Z||_2 <= 1):

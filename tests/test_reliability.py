@@ -27,7 +27,6 @@ sits where it does. Checkpointing is in ``tests/test_checkpoint.py``.
 from __future__ import annotations
 
 import math
-import time
 import warnings
 
 import numpy as np
@@ -926,7 +925,7 @@ def test_ten_thousand_float32_steps_stay_sane() -> None:
     once (relative u = 6e-8), after tr itself was summed with d - 1 roundings; so
     |tr P - d| / d <= d u roughly. Measured 2.2e-7 to 2.8e-7 across the CPU kernel sets; the bar d eps = 12 * 1.2e-7 = 1.4e-6.
     Symmetry is exact: sym() computes (X + X^T) / 2, and IEEE addition commutes.
-    Time: ~3 s per scale on this machine."""
+    Time: ~3 s per scale on this project's machine (not asserted: a timing depends on the machine and its load)."""
     m, n = 8, 12
     for c in (1e-3, 3.0):
         rng = np.random.default_rng(18)
@@ -934,7 +933,6 @@ def test_ten_thousand_float32_steps_stay_sane() -> None:
         opt = FISMO()
         W = np.zeros((m, n), np.float32)
         state = opt.init(W)
-        start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # an InverseRootWarning or a numpy RuntimeWarning fails the test
             for t in range(10_000):
@@ -952,7 +950,6 @@ def test_ten_thousand_float32_steps_stay_sane() -> None:
         assert _ints(state.root_failures) == [0] and _ints(state.skipped) == [0]
         # It did optimise: W is near W* (within the noise floor; measured 0.14 and 0.17).
         assert np.linalg.norm(W - W_star) / np.linalg.norm(W_star) < 0.3
-        assert time.perf_counter() - start < 30
 
 
 @NO_NUMPY_NAN_WARNING

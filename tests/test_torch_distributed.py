@@ -594,6 +594,7 @@ def _worker(rank: int, store: str, out: str) -> None:
                        _run_mismatched_grads(rank, X, Y, inv_root={"fallback": False}),
                    "warnings made errors": _run_warnings_made_errors(rank, X, Y)}
         torch.save(results, f"{out}.{rank}")
+        dist.barrier()  # no rank tears the group down while another still saves (gloo aborted one: SIGABRT)
     finally:
         dist.destroy_process_group()
 
@@ -893,7 +894,8 @@ def test_a_root_failure_on_its_owner_is_refused_on_every_rank(runs, mode):
     owner = [r for r in results if r["owns"]]
     assert len(owner) == 0  # the step was refused: no rank kept the state it would have created
     assert all(r["error"] is not None and not r["changed"] and r["states"] == 0 for r in results), results
-    assert all(r["seconds"] < 20 for r in results), results  # the gloo timeout of the spawn is 60 s
+    # Well below the spawn's gloo timeout of 60 s: no rank waited for a collective the owner never joined.
+    assert all(r["seconds"] < 45 for r in results), results
     errors = sorted(r["error"] for r in results)
     assert errors[0].startswith("FISMO: an inverse root failed beyond InverseRootConfig.max_failures on another rank")
     assert errors[1].endswith("The failing parameters: parameter 0 of param group 0 (shape (16, 12))"), errors[1]

@@ -773,8 +773,9 @@ def test_cli_verify_in_process_saves_and_passes(tmp_path: Path, capsys) -> None:
                       r"([0-9.]+) s in the JAX worker\)$", out, re.M)
     assert taken, out
     wall, cpu, here, worker = (float(x) for x in taken.groups())
-    assert wall > 0 and here > 0 and abs(cpu - here - worker) <= 0.11  # each printed to 0.1 s
-    assert (worker > 0) == any(t.backend == "jax" for t in AVAILABLE)
+    # Each printed to 0.1 s: the worker's share of a short run with its steps compiled earlier in this module
+    # may print as 0.0 on a fast machine, so only its sum is checked.
+    assert wall > 0 and here > 0 and worker >= 0 and abs(cpu - here - worker) <= 0.11
     assert out.rstrip().splitlines()[-1] == f"wrote the reference to {path} ({Reference.load(path).checksum})"
     assert Reference.load(path).steps == STEPS
 

@@ -124,6 +124,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     load[owner] += _direction_cost(torch.empty(m, n, device="meta"), block)
                 result[name + " load"] = load
         torch.save(result, f"{out}.{rank}")
+        dist.barrier()  # no rank tears the group down while another still saves (gloo aborted one: SIGABRT)
     finally:
         dist.destroy_process_group()
 
