@@ -185,6 +185,17 @@ def test_reduced_study_writes_its_outputs_and_reports_every_run_on_stderr(reduce
         assert all(doc["timing"][size.name]["Muon-torch"][f"{t}_vs_muon"] == 1.0 for t in study.TIMES)
 
 
+def test_report_only_writes_the_same_report_from_a_finished_study(reduced, tmp_path):
+    """``--report-only`` refuses a complete file without the study's fields before writing anything
+    (``tests/test_script_arguments.py``); a real study's file passes that check and gives its report again."""
+    out, _, _, _ = reduced
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copy(out / "results.json", again / "results.json")
+    assert study.main(["--preset", "reduced", "--report-only", "--out", str(again)]) == 0
+    assert (again / "report.md").read_text() == (out / "report.md").read_text()
+
+
 def test_reduced_study_selects_each_lr_by_the_winner_inside_the_grid_rule(reduced):
     _, doc, _, _ = reduced
     preset = study.PRESETS["reduced"]

@@ -46,6 +46,11 @@ CASES = [
     ("performance", ["--only", "deviation", "--steps", "0"], f"argument --steps: {POSITIVE} 0"),
     ("performance", ["--only", "deviation", "--block", "0"], f"argument --block: {POSITIVE} 0"),
     ("performance", ["--only", "models", "--names", "bogus"], "argument --names: invalid choice: 'bogus'"),
+    # an option of a section that --only does not run was ignored silently (a user's hunt, 2026-12-03)
+    ("performance", ["--only", "memory", "--steps", "50", "--block", "64"],
+     "--steps, --block: for the deviation section, which --only memory does not run"),
+    ("performance", ["--only", "deviation", "--device", "cuda", "--tables"],
+     "--device, --tables: for the models section, which --only deviation does not run"),
     ("performance", ["--only", "models", "--tables", "--model", "llama-4096x11008"],
      "argument --model: invalid choice: 'llama-4096x11008' (choose from 'gpt2-2layers', 'llama-2048x5504')"),
     # overhead.py
@@ -72,6 +77,10 @@ CASES = [
     # root_staleness.py
     ("root_staleness", ["--seeds", "0", "--only", "Muon-torch"], f"argument --seeds: {POSITIVE} 0"),
     ("root_staleness", ["--only", "bogus"], "argument --only: invalid choice: 'bogus'"),
+    # a learning rate of 0 or NaN trained every run for minutes and reported nothing measurable
+    ("root_staleness", ["--lr", "0", "--only", "Muon-torch"], "argument --lr: must be a positive, finite number, got 0.0"),
+    ("root_staleness", ["--lr", "nan", "--only", "Muon-torch"], "argument --lr: must be a positive, finite number, got nan"),
+    ("root_staleness", ["--lr", "fast", "--only", "Muon-torch"], "argument --lr: must be a positive number, got 'fast'"),
     # distributed_traffic.py
     ("distributed_traffic", ["--worlds", "0"], f"argument --worlds: {POSITIVE} 0"),
     ("distributed_traffic", ["--worlds", "-1"], f"argument --worlds: {POSITIVE} -1"),
@@ -110,6 +119,14 @@ def test_report_only_on_a_cut_results_json_says_it_cannot_be_read(tmp_path):
     (tmp_path / "results.json").write_text('{"runs": [\n')
     line = refused("scaling_study", "--report-only", "--out", str(tmp_path))
     assert f"--report-only: cannot read {tmp_path / 'results.json'}: Expecting value" in line
+
+
+def test_report_only_on_a_complete_results_json_without_its_fields_is_refused(tmp_path):
+    """``{"complete": true}`` alone passed the check and the report raised ``KeyError`` (a traceback)."""
+    (tmp_path / "results.json").write_text('{"complete": true}')
+    line = refused("scaling_study", "--report-only", "--out", str(tmp_path))
+    assert f"--report-only: {tmp_path / 'results.json'} says it is complete but lacks the study's fields (KeyError" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
 
 
 @pytest.mark.parametrize(("mode", "below"), [(["--preset", "reduced", "--jobs", "1"], ""), (["--report-only"], "sub")])

@@ -7,6 +7,7 @@ script does any work, e.g. ``error: argument --repeats: must be a positive integ
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 
@@ -18,6 +19,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (a learning rate: 0 trains nothing, NaN nothing measurable)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {value}")
     return value
 
 

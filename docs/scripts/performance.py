@@ -569,6 +569,11 @@ def section_training_deviation(steps: int, block_size: int = 192) -> None:
     print()
 
 
+SECTION_OPTIONS = {"deviation": ("steps", "block"),
+                   "models": ("model", "names", "device", "tables", "without_torch_muon", "json")}
+"""The options that only one section reads (argparse destinations)."""
+
+
 def main() -> None:
     from _arguments import output_file, positive_int  # docs/scripts/, on sys.path when the script runs
 
@@ -594,6 +599,11 @@ def main() -> None:
     parser.add_argument("--json", type=output_file, help="models section: store the rows in this file (and its plot beside it) "
                         "instead of docs/performance/model_steps.json, e.g. for another CPU")
     args = parser.parse_args()
+    if args.only is not None:  # an option of a section that does not run was silently ignored
+        for section, dests in SECTION_OPTIONS.items():
+            given = [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != parser.get_default(d)]
+            if given and section != args.only:
+                parser.error(f"{', '.join(given)}: for the {section} section, which --only {args.only} does not run")
     store = MODEL_JSON if args.json is None else args.json
     models = args.only in (None, "models")
     if models:

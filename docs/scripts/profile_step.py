@@ -106,7 +106,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=matrix_shape, help="one shape, e.g. 768x3072 (default: the page's shapes)")
-    parser.add_argument("--block", type=positive_int, help="block size for --shape")
+    parser.add_argument("--block", type=positive_int, help="block size for --shape (default: full factors)")
     parser.add_argument("--polar-dtype", choices=["bfloat16", "float32"], help="PolarConfig(dtype=...)")
     parser.add_argument("--steps", type=positive_int, default=2, help="profiled steps per shape")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
@@ -128,6 +128,7 @@ def main() -> None:
         flops = part_flops(shape, B)
         other = total - sum(parts.values())
         polar = parts["polar factor, line 8"]
+        B = "full" if B is None else B  # --shape without --block: the full factors (the B column said None)
         for part, seconds in [*parts.items(), ("other (line 7, line 9, guards, Python)", other)]:
             gflop = f"{flops[part] / 1e9:.1f}" if part in flops else ""
             print(f"| {shape[0]}×{shape[1]} | {B} | {part} | {seconds * 1e3:.0f} | {100 * seconds / total:.0f} % "

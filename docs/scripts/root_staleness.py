@@ -32,14 +32,14 @@ VARIANTS: tuple[str, ...] = ("mu1e-3", "mu1e-3-every1", "mu1e-3-every2", "mu1e-3
 
 
 def main() -> None:
-    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+    from _arguments import positive_float, positive_int  # docs/scripts/, on sys.path when the script runs
 
     runs = {"Muon-torch": "torch.optim.Muon, defaults", "FISMO-T": "the training configuration (mu=0.1, roots every 10)"}
     for name in VARIANTS:
         change = optimizers.control_change(f"FISMO-T-{name}")
         runs[f"FISMO-T-{name}"] = ", ".join(f"{k}={v}" for k, v in change.items())
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of every run (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=0.01, help="learning rate of every run (default: %(default)s)")
     parser.add_argument("--seeds", type=positive_int, default=3, help="seeds 0 .. N-1 (default: %(default)s)")
     parser.add_argument("--task", choices=["digits", "text"], default="digits", help="the demo's task (default: %(default)s)")
     parser.add_argument("--only", nargs="+", choices=list(runs), metavar="NAME",

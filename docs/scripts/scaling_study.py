@@ -807,6 +807,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--report-only: cannot read {path}: {error}")
         if not isinstance(doc, dict) or not doc.get("complete"):
             parser.error(f"{args.out / 'results.json'} is not a finished study; run it (it resumes) first")
+        try:  # the report reads every field the outputs need: a file without them is refused before writing
+            markdown_report(doc)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            parser.error(f"--report-only: {path} says it is complete but lacks the study's fields "
+                         f"({type(error).__name__}: {error}); run the study again with --fresh")
     elif args.estimate_only:  # the pilot one run at a time, so that its runs do not share the cores
         executor = _Executor(1)
         try:
