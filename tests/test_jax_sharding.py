@@ -570,6 +570,15 @@ def _core_on_the_mesh() -> dict[str, Any]:
         out["uncommitted gradient, result on"] = str(next(iter(stepped.devices())))
     except Exception as exc:
         out["uncommitted gradient"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    # An array beta committed to another device than W: JAX raised "incompatible devices" inside line 7,
+    # after the checks; now refused by them, before anything changes.
+    W0 = jax.device_put(jnp.asarray(rng.standard_normal((6, 4))), jax.devices()[0])  # committed to device 0
+    try:
+        far = FISMO(beta=jax.device_put(jnp.asarray(0.9), jax.devices()[1]))
+        far.step(W0, W0, far.init(W0))
+        out["beta on another device"] = "accepted"
+    except Exception as exc:
+        out["beta on another device"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     A = rng.standard_normal((4, 16, 16))
     A = A @ np.swapaxes(A, -1, -2) / 16 + np.eye(16)
     sharded = jax.device_put(jnp.asarray(A), NamedSharding(mesh, PartitionSpec("x", None, "y")))
@@ -816,3 +825,9 @@ def test_the_core_steps_eagerly_on_a_mesh(results: dict[str, Any], case: str) ->
     assert got <= TRAJECTORY_TOLERANCE, got
     if case == "uncommitted gradient":
         assert results["core_on_the_mesh"]["uncommitted gradient, result on"] == "cpu:1"  # W's device
+
+
+def test_an_array_beta_on_another_device_is_refused_by_the_checks(results: dict[str, Any]) -> None:
+    assert results["core_on_the_mesh"]["beta on another device"] == (
+        "ValueError: beta lives on cpu:1 but the gradient and the state on cpu:0: put beta on their device "
+        "(or pass a number)")
