@@ -1523,23 +1523,22 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
     arrays = [state.M] + [p for name in _FACTOR_FIELDS for p in _parts(getattr(state, name))]
     xp = _check_same_namespace_and_device(G, *arrays)
     if not isinstance(beta, float):
-        # One library per call, as for G and the state (the library's own device rules apply: torch takes
-        # a CPU beta beside CUDA states). Mixed, NumPy states with a JAX beta became JAX arrays without a word.
+        # One library and one device per call, as for G and the state: mixed, NumPy states with a JAX beta
+        # became JAX arrays without a word; on another device JAX raised "incompatible devices" inside line 7
+        # (a user's hunt, 2026-12-03). Any device for torch's 0-d CPU tensor, which torch takes beside any.
+        any_device = guards.library_name(beta) == "torch" and beta.device.type == "cpu"
         try:
-            array_namespace(G, beta)
+            array_namespace(G, beta) if any_device else _check_same_namespace_and_device(G, beta)
         except TypeError:
             raise TypeError(
                 f"beta is a {guards.type_name(beta)} but the gradient and the state are {guards.type_name(G)}: "
                 f"an array beta must come from their library (or pass a number)"
             ) from None
-        if not (guards.library_name(beta) == "torch" and beta.device.type == "cpu"):  # torch takes a 0-d CPU tensor
-            try:  # on another device, JAX raised "incompatible devices" inside line 7 (a user's hunt, 2026-12-03)
-                _check_same_namespace_and_device(G, beta)
-            except ValueError:
-                raise ValueError(
-                    f"beta lives on {_device(beta)} but the gradient and the state on {_device(G)}: put beta "
-                    "on their device (or pass a number)"
-                ) from None
+        except ValueError:
+            raise ValueError(
+                f"beta lives on {_device(beta)} but the gradient and the state on {_device(G)}: put beta "
+                "on their device (or pass a number)"
+            ) from None
     *batch, m, n = G.shape
     expected = {"P": m, "Q": n, "P_inv_sqrt": m, "Q_inv_sqrt": n}
     got_M = tuple(state.M.shape)
