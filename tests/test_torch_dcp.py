@@ -8,17 +8,19 @@ Three spawns share one checkpoint directory:
 2. 4 ranks: both resume from the 2-rank checkpoints (2 -> 4) and finish; both
    also train to ``RESUME_AT`` and save (for 4 -> 2); HSDP on a 2 x 2 mesh,
    FSDP2 with ``Shard(1)`` and tensor parallelism run uninterrupted;
-3. 2 ranks: FSDP2 and DDP resume from the 4-rank checkpoints (4 -> 2) and finish.
+3. 3 ranks, a world size that divides neither the batch nor the matrices evenly: both resume from
+   the 2-rank checkpoints (2 -> 3) and finish; both also train to ``RESUME_AT`` and save;
+4. 2 ranks: FSDP2 and DDP resume from the 4-rank checkpoints (4 -> 2) and the 3-rank ones (3 -> 2)
+   and finish.
 
-This process then resumes the 2-rank checkpoints (and FSDP2's 4-rank one) on a plain, undistributed
-model (2 -> 1). Every finished run must equal one uninterrupted process on
+This process then resumes the 2-rank checkpoints (and the 4- and 3-rank ones) on a plain, undistributed
+model (2 -> 1, 4 -> 1, 3 -> 1). Every finished run must equal one uninterrupted process on
 the whole batch (`_single_process`).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +33,9 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 from test_torch_distributed import STEPS, _data, _model, _optimizer, _train, spawn  # noqa: E402
 from test_torch_distributed import single_process  # noqa: E402,F401  (the uninterrupted run, a fixture)
+
+# DCP in a process without torch.distributed warns that it assumes one process: here that is the point.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 RESUME_AT = 4
 TIMEOUT = 180  # seconds per spawn; a healthy one takes 10-30 s on 2 busy cores
@@ -119,12 +124,16 @@ def _save_consolidated(model, opt, rank: int, path: Path) -> None:
 
 
 def _batch(rank: int, world: int):
+    """This rank's slice of the batch and its loss weight: its share of the batch times ``world``, so that the
+    ranks' averaged gradients are the whole batch's mean also where ``world`` does not divide it (3 ranks)."""
     X, Y = _data()
-    return X.chunk(world)[rank], Y.chunk(world)[rank]
+    X, Y = X.chunk(world)[rank], Y.chunk(world)[rank]
+    return X, Y, len(X) * world / len(_data()[0])
 
 
 # ----------------------------------------------------------------- spawns
-def _resumed(world: int, X, Y, fsdp2: Path, ddp: Path, flatten: bool = False) -> tuple[list, list]:
+def _resumed(world: int, X, Y, fsdp2: Path, ddp: Path, flatten: bool = False,
+             weight: float = 1.0) -> tuple[list, list]:
     """An FSDP2 model resumed from the checkpoint ``fsdp2`` and a DDP one from ``ddp``, each trained to
     ``STEPS``: their parameters."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -132,19 +141,19 @@ def _resumed(world: int, X, Y, fsdp2: Path, ddp: Path, flatten: bool = False) ->
     model = _fsdp2(init_device_mesh("cpu", (world,)))
     opt = _optimizer(model)
     _load(model, opt, fsdp2, flatten)
-    _train(model, opt, X, Y, range(RESUME_AT, STEPS))
+    _train(model, opt, X, Y, range(RESUME_AT, STEPS), weight)
     fsdp2_params = _params(model)
     model, net = _ddp()
     opt = _optimizer(model, process_group=dist.group.WORLD)
     _load(net, opt, ddp, flatten)
-    _train(net, opt, X, Y, range(RESUME_AT, STEPS))
+    _train(net, opt, X, Y, range(RESUME_AT, STEPS), weight)
     return fsdp2_params, _params(model)
 
 
 def _first(rank: int, world: int, ckpt: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    X, Y = _batch(rank, world)
+    X, Y, _ = _batch(rank, world)
     out = {}
     # 1 -> 2: the checkpoint this process saved before the spawns, without torch.distributed (`runs`).
     out["fsdp2 1->2"], out["ddp 1->2"] = _resumed(world, X, Y, ckpt / "one-process", ckpt / "one-process")
@@ -167,7 +176,7 @@ def _first(rank: int, world: int, ckpt: Path) -> dict:
 def _second(rank: int, world: int, ckpt: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    X, Y = _batch(rank, world)
+    X, Y, _ = _batch(rank, world)
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     out["fsdp2 2->4"], out["ddp 2->4"] = _resumed(world, X, Y, ckpt / "fsdp2-2", ckpt / "ddp-2")
@@ -243,10 +252,29 @@ def _nan_in_one_replica(rank: int, X, Y, policy: str) -> dict:
     return out
 
 
+def _odd(rank: int, world: int, ckpt: Path) -> dict:
+    """3 ranks: (16, 12) shards into 6 + 6 + 4 rows, (1, 3) into 1 + 0 + 0, and the batch of 64 into 22 + 22 + 20."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    X, Y, weight = _batch(rank, world)
+    out = {}
+    out["fsdp2 2->3"], out["ddp 2->3"] = _resumed(world, X, Y, ckpt / "fsdp2-2", ckpt / "ddp-2", weight=weight)
+    model = _fsdp2(init_device_mesh("cpu", (world,)))
+    opt = _optimizer(model)
+    _train(model, opt, X, Y, range(RESUME_AT), weight)
+    _save(model, opt, ckpt / "fsdp2-3")
+    model, net = _ddp()
+    opt = _optimizer(model, process_group=dist.group.WORLD)
+    _train(net, opt, X, Y, range(RESUME_AT), weight)
+    _save(net, opt, ckpt / "ddp-3")
+    return out
+
+
 def _third(rank: int, world: int, ckpt: Path) -> dict:
-    X, Y = _batch(rank, world)
+    X, Y, _ = _batch(rank, world)
     out = {}
     out["fsdp2 4->2"], out["ddp 4->2"] = _resumed(world, X, Y, ckpt / "fsdp2-4", ckpt / "ddp-4")
+    out["fsdp2 3->2"], out["ddp 3->2"] = _resumed(world, X, Y, ckpt / "fsdp2-3", ckpt / "ddp-3")
     return out
 
 
@@ -257,7 +285,7 @@ def _worker(rank: int, world: int, phase: str, store: str, ckpt: str, out: str) 
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
     )
     try:
-        result = {"first": _first, "second": _second, "third": _third}[phase](rank, world, Path(ckpt))
+        result = {"first": _first, "second": _second, "odd": _odd, "third": _third}[phase](rank, world, Path(ckpt))
         torch.save(result, f"{out}.{rank}")
         dist.barrier()  # no rank tears the group down while another still saves (see docs/examples/fsdp2_resume.py)
     finally:
@@ -278,13 +306,12 @@ def runs(tmp_path_factory) -> dict:
     opt = _optimizer(model)
     X, Y = _data()
     _train(model, opt, X, Y, range(RESUME_AT))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # DCP: "single process"
-        _save(model, opt, tmp / "ckpt" / "one-process")
+    _save(model, opt, tmp / "ckpt" / "one-process")
     first = _spawn(tmp, 2, "first")
     second = _spawn(tmp, 4, "second")
+    odd = _spawn(tmp, 3, "odd")
     third = _spawn(tmp, 2, "third")
-    return {"tmp": tmp, "first": first, "second": second, "third": third}
+    return {"tmp": tmp, "first": first, "second": second, "odd": odd, "third": third}
 
 
 def _worst(params: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -315,14 +342,23 @@ def test_one_process_to_two_ranks(runs, single_process, run):
     assert _worst(results[0], single_process) <= TOL
 
 
-@pytest.mark.parametrize("run", ["fsdp2 4->2", "ddp 4->2"])
-def test_four_to_two_ranks(runs, single_process, run):
+@pytest.mark.parametrize("run", ["fsdp2 2->3", "ddp 2->3"])
+def test_two_to_three_ranks(runs, single_process, run):
+    """An odd world size: uneven shards of every matrix, uneven slices of the batch (weighted by `_batch`)."""
+    results = [r[run] for r in runs["odd"]]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    assert _worst(results[0], single_process) <= TOL
+
+
+@pytest.mark.parametrize("run", ["fsdp2 4->2", "ddp 4->2", "fsdp2 3->2", "ddp 3->2"])
+def test_four_or_three_to_two_ranks(runs, single_process, run):
     results = [r[run] for r in runs["third"]]
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert _worst(results[0], single_process) <= TOL
 
 
-@pytest.mark.parametrize("name", ["fsdp2-2", "ddp-2", "fsdp2-4"])
+@pytest.mark.parametrize("name", ["fsdp2-2", "ddp-2", "fsdp2-4", "fsdp2-3", "ddp-3"])
 def test_resume_in_one_process(runs, single_process, name):
     """A distributed checkpoint resumed by a plain model in a process without torch.distributed."""
     model = _model()

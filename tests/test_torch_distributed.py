@@ -73,7 +73,9 @@ def _beta(step: int) -> float:
     return 0.85 + 0.1 * step / STEPS
 
 
-def _train(net, opt, X, Y, steps) -> None:
+def _train(net, opt, X, Y, steps, weight: float = 1.0) -> None:
+    """``steps`` steps on the batch ``(X, Y)``. ``weight`` scales the loss: a rank holding an uneven slice of
+    the batch weighs its mean by its share, so that the ranks' averaged gradient is the whole batch's mean."""
     for step in steps:
         for group in opt.param_groups:
             if group["algorithm"] == "fismo" and isinstance(group["beta"], torch.Tensor):
@@ -81,7 +83,8 @@ def _train(net, opt, X, Y, steps) -> None:
             elif group["algorithm"] == "fismo":
                 group["beta"] = _beta(step)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(net(X), Y).backward()
+        loss = torch.nn.functional.mse_loss(net(X), Y)
+        (loss if weight == 1.0 else loss * weight).backward()
         opt.step()
 
 

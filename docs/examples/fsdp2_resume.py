@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-BATCH = 16  # global batch (sequences); divisible by both world sizes
+BATCH = 48  # global batch (sequences): each world size must divide it (1, 2, 3, 4, 6, 8, 12, 16, 24 or 48)
 CONTEXT = 32
 TOLERANCE = 1e-10  # float64: shard-averaged gradients differ from the whole batch's at rounding (~1e-15)
 
@@ -94,7 +94,7 @@ def shard(model: torch.nn.Module, world: int) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _run(rank: int, world: int, phase: str, steps: int, workdir: str) -> None:
+def _run(rank: int, world: int, phase: str, steps: int, workdir: str, saved_by: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -120,7 +120,7 @@ def _run(rank: int, world: int, phase: str, steps: int, workdir: str) -> None:
             final = [p.full_tensor().detach() for p in model.parameters()]
             if rank == 0:
                 torch.save(final, f"{workdir}/resumed.pt")
-            where = f"resumed from the 4-rank checkpoint and finished step {steps}"
+            where = f"resumed from the {saved_by}-rank checkpoint and finished step {steps}"
         if rank == 0:
             print(f"{world} ranks: loss on rank 0's slice {loss:.4f}; {where}", flush=True)
         # Every rank done before any tears the group down: a rank that destroyed it while rank 0 was still
@@ -137,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", type=int, default=2, help="ranks after it (default 2)")
     parser.add_argument("--check", action="store_true", help="compare with one uninterrupted process")
     args = parser.parse_args(argv)
-    if BATCH % args.before or BATCH % args.after:
-        parser.error(f"the world sizes must divide the global batch of {BATCH}")
+    sizes = [w for w in range(1, BATCH + 1) if BATCH % w == 0]
+    if args.before not in sizes or args.after not in sizes:
+        parser.error(f"the world sizes must divide the global batch of {BATCH}: one of {sizes}")
+    if args.steps < 2:  # a step-0 checkpoint would first take a step of lr 0 (torch's _init_optim_state)
+        parser.error(f"--steps must be at least 2, got {args.steps}: the checkpoint is taken after steps // 2")
     with tempfile.TemporaryDirectory() as workdir:
-        mp.start_processes(_run, args=(args.before, "before", args.steps, workdir), nprocs=args.before,
-                           start_method="spawn")
-        mp.start_processes(_run, args=(args.after, "after", args.steps, workdir), nprocs=args.after,
-                           start_method="spawn")
+        mp.start_processes(_run, args=(args.before, "before", args.steps, workdir, args.before),
+                           nprocs=args.before, start_method="spawn")
+        mp.start_processes(_run, args=(args.after, "after", args.steps, workdir, args.before),
+                           nprocs=args.after, start_method="spawn")
         resumed = torch.load(f"{workdir}/resumed.pt")
     if not args.check:
         return 0
