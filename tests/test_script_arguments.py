@@ -163,3 +163,22 @@ def test_device_cuda_without_cuda_is_refused_and_no_store_changes(tmp_path):
         assert "--device cuda: torch sees no CUDA device" in refused("performance", *args)
     assert mine.read_text() == '{"gpt2-2layers/cpu": {}}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["store.json"]
     assert STORE.read_bytes() == tracked
+
+
+def test_a_model_whose_every_step_was_skipped_stores_nothing(tmp_path, monkeypatch, capsys):
+    """Every row is a ratio to the float32 Muon step: without it the models section once stored an empty
+    model (the key with no rows), or would have raised ``KeyError`` on the ratio."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import performance
+
+    def missing(name, model, device, shapes=None):
+        raise NotImplementedError(f"{name} is not installed here")
+
+    monkeypatch.setattr(performance, "model_callable", missing)
+    monkeypatch.setattr(performance, "plot_models", lambda device, store: None)
+    store = tmp_path / "store.json"
+    store.write_text('{"gpt2-2layers/cpu": {}}\n')
+    performance.section_models(1, ["llama-2048x5504"], ["eigh-B768"], "cpu", store=store)
+    out = capsys.readouterr().out
+    assert "<!-- llama-2048x5504 on cpu: nothing stored, the float32 Muon step was skipped -->" in out
+    assert store.read_text() == '{"gpt2-2layers/cpu": {}}\n'
