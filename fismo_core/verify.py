@@ -619,16 +619,22 @@ def _shut_jax_pool() -> None:
         _POOL = None
 
 
+#: How long the time line waits for the JAX worker to report its CPU time (it answers in milliseconds).
+_WORKER_ANSWER_SECONDS = 30.0
+
+
 def _worker_cpu_seconds() -> Optional[float]:
     """CPU seconds the JAX worker has used so far: 0 when it has not been started, ``None`` when it ended
-    early (killed, out of memory; `verify` then checked JAX in this process)."""
+    early (killed, out of memory; `verify` then checked JAX in this process) or did not answer in
+    ``_WORKER_ANSWER_SECONDS`` (the time line is not worth a hang)."""
+    from concurrent.futures import TimeoutError as NoAnswer
     from concurrent.futures.process import BrokenProcessPool
 
     if _POOL is None:
         return 0.0
     try:
-        return _POOL.submit(time.process_time).result()
-    except BrokenProcessPool:  # the time line raised this, a traceback under the finished table
+        return _POOL.submit(time.process_time).result(timeout=_WORKER_ANSWER_SECONDS)
+    except (BrokenProcessPool, NoAnswer):  # the time line raised these, a traceback under the finished table
         return None
 
 
@@ -643,8 +649,8 @@ def _time_taken(wall_start: float, cpu_start: float, worker_start: Optional[floa
     here = time.process_time() - cpu_start
     worker_now = _worker_cpu_seconds()
     if worker_now is None or worker_start is None:
-        return (f"time: {wall:.1f} s wall, {here:.1f} s CPU in this process (the JAX worker ended early: its "
-                "CPU time is unknown)")
+        return (f"time: {wall:.1f} s wall, {here:.1f} s CPU in this process (the JAX worker ended early or "
+                "did not answer: its CPU time is unknown)")
     worker = worker_now - worker_start
     return (f"time: {wall:.1f} s wall, {here + worker:.1f} s CPU ({here:.1f} s in this process, "
             f"{worker:.1f} s in the JAX worker)")

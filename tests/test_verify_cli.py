@@ -882,8 +882,24 @@ def test_ctrl_c_ends_the_jax_worker_without_a_traceback() -> None:
     assert done.returncode == 0, done.stderr
     state, time_line = done.stdout.splitlines()
     assert state == f"ended {-2}"  # killed by SIGINT (2), not a Python exit
-    assert "the JAX worker ended early: its CPU time is unknown" in time_line, time_line
+    assert "the JAX worker ended early or did not answer: its CPU time is unknown" in time_line, time_line
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
+def test_a_jax_worker_that_does_not_answer_leaves_its_cpu_time_unknown(monkeypatch) -> None:
+    """The time line's question to the worker has a deadline: a worker that never answers (a lost wake-up in the
+    pool, say) cost a hang until the caller's own timeout, where the line can say "unknown"."""
+    from concurrent.futures import Future
+
+    class Silent:
+        def submit(self, fn, *args):
+            return Future()  # never resolved
+
+    monkeypatch.setattr(verify_mod, "_POOL", Silent())
+    monkeypatch.setattr(verify_mod, "_WORKER_ANSWER_SECONDS", 0.05)
+    assert verify_mod._worker_cpu_seconds() is None
+    line = verify_mod._time_taken(0.0, 0.0, 1.0)
+    assert "the JAX worker ended early or did not answer: its CPU time is unknown" in line, line
 
 
 @pytest.mark.skipif(not JAX, reason="JAX is not installed")
