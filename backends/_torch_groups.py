@@ -437,6 +437,12 @@ def validate_adamw_hparams(group: dict, where: str) -> None:
             raise ValueError(f"{where}: a tensor AdamW lr must have one element, got shape {tuple(group['lr'].shape)}")
         if not _one_real_number(group["lr"]):
             raise ValueError(f"{where}: a tensor AdamW lr must be real, not {group['lr'].dtype}, got {group['lr']!r}")
+    # A string, None or a bool: torch.optim.AdamW raised a bare TypeError naming no group, or took True as 1.
+    for name, value in [("lr", group["lr"]), ("eps", group["eps"]), ("weight_decay", group["weight_decay"]),
+                        *(("betas", b) for b in group["betas"])]:
+        if not isinstance(value, torch.Tensor) and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ValueError(f"{where}: AdamW {name} must be {'two real numbers' if name == 'betas' else 'a real number'}, "
+                             f"got {group[name]!r}")
     lr = scalar(group["lr"])
     if math.isnan(lr) or lr_is_negative(lr, group):
         raise ValueError(f"{where}: invalid AdamW lr {group['lr']!r}")

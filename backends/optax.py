@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import warnings
@@ -69,7 +70,8 @@ from fismo_core.kronecker import Blocks
 from fismo_core import linalg
 from fismo_core.linalg import MUON_COEFFICIENTS
 from fismo_core.optimizer import (
-    FISMO, TRAINING, FISMOState, InverseRootConfig, InverseRootError, PolarConfig, training_options,
+    FISMO, TRAINING, FISMOState, InverseRootConfig, InverseRootError, PolarConfig, check_muon_polar,
+    training_options,
 )
 
 __all__ = ["ScaleByFismoState", "default_matrix_shape", "fismo", "fismo_training", "scale_by_fismo"]
@@ -868,7 +870,9 @@ def fismo_training(
 
     ``gamma``, ``mu``, ``polar``, ``inv_root``, ``statistics`` and
     ``block_size`` are the core's; given, they override the preset by
-    [`training_options`][fismo_core.optimizer.training_options].
+    [`training_options`][fismo_core.optimizer.training_options] (``ns_coeffs``, ``ns_steps`` or ``eps``
+    given with another value than its default beside a ``polar`` that sets the same field otherwise is
+    refused, naming both: [`check_muon_polar`][fismo_core.optimizer.check_muon_polar]).
     ``matrix_mask`` and ``matrix_shape`` are as in [`fismo`][fismo_core.backends.optax.fismo].
     With ``optax.inject_hyperparams``, name every argument but
     ``learning_rate`` in ``static_args``,
@@ -895,6 +899,12 @@ def fismo_training(
              "block_size": block_size}
     fismo_options = {k: v for k, v in given.items() if v is not _PRESET}
     muon_polar = _muon_polar(ns_coeffs, ns_steps, eps)
+    signature = inspect.signature(fismo_training).parameters
+    check_muon_polar("fismo_training", {
+        argument: (field, value, signature[argument].default)
+        for argument, field, value in [("ns_coeffs", "coefficients", ns_coeffs), ("ns_steps", "steps", ns_steps),
+                                       ("eps", "eps", eps)]
+    }, fismo_options.get("polar"))
     if consistent_rms is not None and (
         isinstance(consistent_rms, bool) or not isinstance(consistent_rms, numbers.Real)
         or not math.isfinite(consistent_rms) or consistent_rms <= 0

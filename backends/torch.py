@@ -28,6 +28,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 from collections import OrderedDict
@@ -43,7 +44,9 @@ from fismo_core.optimizer import FISMO as _CoreFISMO
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 from fismo_core.kronecker import factor_structure
 from fismo_core.linalg import MUON_COEFFICIENTS
-from fismo_core.optimizer import TRAINING, InverseRootConfig, InverseRootError, PolarConfig, training_options
+from fismo_core.optimizer import (
+    TRAINING, InverseRootConfig, InverseRootError, PolarConfig, check_muon_polar, training_options,
+)
 
 from . import _torch_distributed as _dist
 from ._torch_groups import (
@@ -325,7 +328,11 @@ class FISMO(Optimizer):
         ``nonfinite``, ``process_group``) and override the preset by the
         core's rule ([`training_options`][fismo_core.optimizer.training_options]:
         ``polar``/``inv_root`` as a dict or method name are merged field by
-        field). ``params`` are what ``FISMO`` takes: tensors, or param groups,
+        field; ``ns_steps``, ``ns_coefficients`` or ``eps`` given with
+        another value than its default beside a ``polar`` that sets the same
+        field otherwise is refused, naming both:
+        [`check_muon_polar`][fismo_core.optimizer.check_muon_polar]).
+        ``params`` are what ``FISMO`` takes: tensors, or param groups,
         ``"adamw"`` groups included (e.g. [`param_groups`][fismo_core.backends.torch.param_groups]).
         With ``gamma=1`` (``P = Q = I``) it is ``torch.optim.Muon`` at the same
         arguments, up to bfloat16 rounding. Bad input raises before anything
@@ -347,6 +354,12 @@ class FISMO(Optimizer):
             )
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum (FISMO's beta) must be a number in [0, 1], got {momentum!r}")
+        signature = inspect.signature(cls.training).parameters
+        check_muon_polar("FISMO.training", {
+            argument: (field, value, signature[argument].default)
+            for argument, field, value in [("ns_coefficients", "coefficients", ns_coefficients),
+                                           ("ns_steps", "steps", ns_steps), ("eps", "eps", eps)]
+        }, fismo_options.get("polar"))
         params, devices = _listed_with_devices(params)
         precision = training_precision(bool(devices) and all(map(bfloat16_is_native, devices)))
         muon = {"ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps}
@@ -733,13 +746,15 @@ class FISMO(Optimizer):
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"param group {self._group_index(group)}: {exc}") from exc
         if not torch.compiler.is_compiling():
-            # The states must fit a block_size set since: checked once per group and block_size (not at
-            # every step of a schedule of beta, which changes the key only).
+            # The states must fit a block_size set since, and a matrix moved in from another FISMO group:
+            # checked once per group, block_size and list of parameters (not at every step of a schedule of
+            # beta, which changes the key only).
             checked = self.__dict__.setdefault("_checked_block_sizes", {})
-            index, block_size = self._group_index(group), cores[key].block_size
-            if index not in checked or checked[index] != block_size:
+            index = self._group_index(group)
+            layout = (cores[key].block_size, tuple(map(id, group["params"])))
+            if checked.get(index) != layout:
                 self._check_states_fit(group, cores[key])
-                checked[index] = block_size
+                checked[index] = layout
         return cores[key]
 
     def _step_reads_the_host(self) -> bool:
@@ -761,7 +776,8 @@ class FISMO(Optimizer):
         return next(i for i, g in enumerate(self.param_groups) if g is group)
 
     def _check_states_fit(self, group: dict, core: _CoreFISMO) -> None:
-        """The group's existing states have the layout of ``core.block_size`` (a state cannot change its blocks)."""
+        """The group's existing states have the layout of ``core.block_size`` (a state cannot change its blocks):
+        after a change of ``block_size``, or a matrix moved in from a group with another."""
         for p in group["params"]:
             state = self.state.get(p)
             if not state or "M" not in state:  # no state yet
@@ -772,8 +788,9 @@ class FISMO(Optimizer):
             if factors != set(layout) or any(tuple(state[k].shape) != tuple(s) for k, s in layout.items()):
                 raise ValueError(
                     f"block_size={core.block_size!r} splits {self._label(p)} into other blocks than its state "
-                    "has: a state cannot change its blocks. Set the group's block_size back, or start a new "
-                    "optimizer"
+                    "has (the group's block_size changed, or the matrix came from a group with another): a state "
+                    "cannot change its blocks; nothing was stepped. Set the group's block_size back, move the "
+                    "matrix back, or start its state anew (del opt.state[p])"
                 )
 
     def _placements(self, *, laid_out: bool = True) -> dict[torch.Tensor, _dist.Placement]:
@@ -987,7 +1004,8 @@ class FISMO(Optimizer):
         "value cannot be converted to type float without overflow" after the groups before had stepped
         (a user's hunt). A tensor ``lr`` is not read (no host read): it makes the step infinite."""
         for gi, group in enumerate(self.param_groups):
-            if group["algorithm"] != "fismo" or isinstance(group["lr"], torch.Tensor):
+            lr = group["lr"]  # a tensor is not read; a string or None is refused by name in _core_for
+            if group["algorithm"] != "fismo" or isinstance(lr, (torch.Tensor, bool)) or not isinstance(lr, numbers.Real):
                 continue
             # adjust_lr_fn multiplies by sqrt(m / n) or 0.2 sqrt(max(m, n)), below 2**32 for any tensor; the
             # smallest state dtype is float32: a usual lr needs no look at each matrix (48 of them took 82 us).

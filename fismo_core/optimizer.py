@@ -636,6 +636,51 @@ def training_options(preset: Mapping[str, Any], overrides: Mapping[str, Any]) ->
     return options
 
 
+def _as_triples(value: Any) -> Optional[tuple[tuple[float, ...], ...]]:
+    """Newton–Schulz coefficients as triples of floats; ``None`` for a preset name or what is not numbers."""
+    if isinstance(value, str):
+        return None
+    try:
+        items = list(value)
+        if all(isinstance(c, numbers.Real) for c in items):
+            return (tuple(float(c) for c in items),)
+        return tuple(tuple(float(c) for c in t) for t in items)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_muon_polar(where: str, given: Mapping[str, tuple[str, Any, Any]], polar: Any) -> None:
+    """Refuse a ``polar`` that sets a Newton–Schulz field otherwise than a Muon argument given beside it.
+
+    ``given`` maps each Muon argument of a ``training`` constructor to ``(field, value, default)``: its
+    `PolarConfig` field, the value passed and the signature's default. An argument left at its default
+    yields to ``polar`` (``polar={"steps": 4}`` alone is 4 steps); one passed with another value beside a
+    ``polar`` that sets the field to a third (``ns_steps=3, polar={"steps": 4}``) is a conflict, refused
+    with a ``TypeError`` naming both, where ``polar`` silently won. Coefficients given by a preset name
+    are not compared.
+    """
+    if isinstance(polar, PolarConfig):
+        fields = {f.name: getattr(polar, f.name) for f in dataclass_fields(PolarConfig)}
+    elif isinstance(polar, Mapping):
+        fields = dict(polar)
+    else:  # None, a method name: no Newton–Schulz field given
+        return
+    for argument, (name, value, default) in given.items():
+        if name not in fields:
+            continue
+        if name == "coefficients":
+            mine, default, theirs = _as_triples(value), _as_triples(default), _as_triples(fields[name])
+        else:
+            mine, theirs = value, fields[name]
+        if mine is None or theirs is None or mine == default:
+            continue
+        if mine != theirs:
+            raise TypeError(
+                f"{where}: {argument}={value!r} and polar's {name}={fields[name]!r} disagree: give the "
+                f"Newton–Schulz {name} once, as {argument}= or in polar"
+            )
+
+
 @guards.foreign_keywords("fismo_core.FISMO")
 @dataclass(frozen=True)
 class FISMO:

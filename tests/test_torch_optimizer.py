@@ -562,6 +562,15 @@ def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_an
         (1, "lr", torch.tensor(0.01 + 5j), ValueError, r"param group 1: a tensor AdamW lr must be real, not "
                                                        r"torch\.complex64"),
         (1, "lr", torch.tensor(True), ValueError, r"param group 1: a tensor AdamW lr must be real, not torch\.bool"),
+        # A string or None: the FISMO group's step-size check raised a bare TypeError from abs(), the AdamW group's
+        # torch's "must be real number, not str" naming no group; an AdamW lr of True stepped as 1 (a user's
+        # hunt, 2026-12-04).
+        (0, "lr", "0.1", ValueError, r"param group 0: lr must be a finite number >= 0, got '0\.1'"),
+        (0, "lr", None, ValueError, r"param group 0: lr must be a finite number >= 0, got None"),
+        (1, "lr", "0.1", ValueError, r"param group 1: AdamW lr must be a real number, got '0\.1'"),
+        (1, "lr", True, ValueError, r"param group 1: AdamW lr must be a real number, got True"),
+        (1, "eps", None, ValueError, r"param group 1: AdamW eps must be a real number, got None"),
+        (1, "betas", (0.9, "0.99"), ValueError, r"param group 1: AdamW betas must be two real numbers, got \(0\.9, '0\.99'\)"),
         (0, "adjust_lr_fn", "match_rms", ValueError, r"param group 0: adjust_lr_fn must be None, 'original' or"),
         (0, "algorithm", "sgd", ValueError, r"param group 0: algorithm 'sgd' set in a group added as 'fismo'"),
         (0, "algorithm", "adamw", ValueError, r"param group 0: algorithm 'adamw' set in a group added as 'fismo'"),
@@ -598,6 +607,34 @@ def test_hyperparameters_set_in_a_group_after_construction_are_checked_before_an
     opt.param_groups[0]["block_size"] = 2
     with pytest.raises(ValueError, match=r"block_size=2 splits parameter 0 of param group 0"):
         opt.step()
+
+
+@pytest.mark.parametrize("neighbour", [(4, 4), (6, 5)], ids=["alone", "beside-a-matrix-of-its-shape"])
+def test_a_matrix_moved_to_a_fismo_group_with_other_blocks_is_refused_by_name(neighbour):
+    """A stepped matrix moved from a ``block_size=2`` group into a full-factor group that had already stepped: its
+    blocks were never checked there (the check was cached per group and block_size), and the step raised the
+    core's unnamed "state does not match the gradient", or torch's "stack expects each tensor to be equal size"
+    beside a matrix of its shape (a user's hunt, 2026-12-04). Now the layout check names it; nothing changes."""
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(6, 5))
+    V = torch.nn.Parameter(torch.randn(*neighbour))
+    opt = FISMO([{"params": [W], "block_size": 2}, {"params": [V]}], lr=0.02)
+    for _ in range(2):
+        W.grad, V.grad = torch.randn_like(W), torch.randn_like(V)
+        opt.step()
+    opt.param_groups[0]["params"].remove(W)
+    opt.param_groups[1]["params"].append(W)
+    W.grad, V.grad = torch.randn_like(W), torch.randn_like(V)
+    before = [t.detach().clone() for t in (W, V, opt.state[W]["P"], opt.state[V]["P"])]
+    with pytest.raises(ValueError, match=r"block_size=None splits parameter 1 of param group 1 \(shape \(6, 5\)\) "
+                                         r"into other blocks than its state has \(the group's block_size changed, or "
+                                         r"the matrix came from a group with another\)"):
+        opt.step()
+    after = (W, V, opt.state[W]["P"], opt.state[V]["P"])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    del opt.state[W]  # the way out the message gives: W starts anew with full factors
+    opt.step()
+    assert opt.state[W]["P"].shape == (6, 6) and opt.state[W]["step"].item() == 1
 
 
 def test_a_schedule_of_beta_keeps_a_bounded_number_of_cores():

@@ -403,6 +403,11 @@ def test_torch_training_takes_param_groups_with_adamw() -> None:
         ({"weight_decay": -0.1}, ValueError, r"weight_decay must lie in"),
         ({"gamm": 0.9}, TypeError, r"gamm"),
         ({"betas": (0.9, 0.99)}, TypeError, r"betas=.*AdamW"),
+        # A Muon argument and polar's field both given, and different: polar won silently (a user's hunt, 2026-12-04).
+        ({"ns_steps": 3, "polar": {"steps": 4}}, TypeError, r"ns_steps=3 and polar's steps=4 disagree"),
+        ({"eps": 1e-5, "polar": PolarConfig()}, TypeError, r"eps=1e-05 and polar's eps=1e-07 disagree"),
+        ({"ns_coefficients": (3.0, -3.2, 1.2), "polar": {"coefficients": [(3.4445, -4.775, 2.0315)]}}, TypeError,
+         r"ns_coefficients=\(3.0, -3.2, 1.2\) and polar's coefficients=.* disagree"),
     ],
 )
 def test_torch_training_bad_input_names_the_argument(given, error, message) -> None:
@@ -412,6 +417,20 @@ def test_torch_training_bad_input_names_the_argument(given, error, message) -> N
     W = torch.nn.Parameter(torch.zeros(6, 4))
     with pytest.raises(error, match=message):
         TorchFISMO.training([W], **given)
+
+
+def test_training_polar_agreeing_with_or_beside_default_muon_arguments_is_taken() -> None:
+    """Only a disagreement is refused: ``polar`` alone overrides the Muon defaults field by field, and a field
+    given twice with the same value, a method without the field (SVD) or coefficients by name are taken."""
+    torch = _torch()
+    from fismo_core.backends.torch import FISMO as TorchFISMO
+
+    W = torch.nn.Parameter(torch.zeros(6, 4))
+    assert TorchFISMO.training([W], polar={"steps": 4}).param_groups[0]["polar"]["steps"] == 4
+    assert TorchFISMO.training([W], ns_steps=4, polar={"steps": 4}).param_groups[0]["polar"]["steps"] == 4
+    assert TorchFISMO.training([W], ns_steps=3, polar="svd").param_groups[0]["polar"]["method"] == "svd"
+    group = TorchFISMO.training([W], ns_coefficients=(3.0, -3.2, 1.2), polar={"coefficients": [(3.0, -3.2, 1.2)]})
+    assert group.param_groups[0]["polar"]["coefficients"] == ((3.0, -3.2, 1.2),)
 
 
 #: torch.optim.Muon against FISMO.training(gamma=1) on the same gradients (20 steps, three matrices: tall,
@@ -633,6 +652,9 @@ def test_optax_training_scales_a_kernel_by_its_fans(shape: tuple, scale: float) 
         ({"non_matrix": "adamw"}, TypeError, r"builds the other leaves' AdamW from adam_\*"),
         ({"gamm": 0.9}, TypeError, r"unexpected keyword argument 'gamm'"),
         ({"mu_dtype": "float32"}, TypeError, r"mu_dtype=.*optax.contrib.muon"),
+        ({"ns_steps": 3, "polar": {"steps": 4}}, TypeError, r"fismo_training: ns_steps=3 and polar's steps=4 disagree"),
+        ({"ns_coeffs": np.array([3.0, -3.2, 1.2]), "polar": {"coefficients": ((3.0, -3.2, 1.3),)}}, TypeError,
+         r"ns_coeffs=array\(\[ 3\. , -3\.2,  1\.2\]\) and polar's coefficients=.* disagree"),
     ],
 )
 def test_optax_training_bad_input_names_the_argument(given, error, message) -> None:
