@@ -182,12 +182,16 @@ def _as_matrix(x: Any, matrix_shape: MatrixShape) -> Any:
 
 
 def _mesh(x: Any) -> Optional[Any]:
-    """The (abstract) mesh ``x`` is laid out on if it spans more than one device, else ``None``.
+    """The (abstract) mesh ``x`` is laid out on if it spans more than one device or has Explicit axes, else
+    ``None``.
 
-    Read from ``x``'s type, so it is known for a concrete array and under ``jax.jit`` alike.
+    Read from ``x``'s type, so it is known for a concrete array and under ``jax.jit`` alike. A one-device
+    mesh with Explicit axes (``jax.make_mesh((1,), ...)``, mesh-ready code on one GPU) is a mesh: its
+    axes are in the arrays' types, and the core's products raised ``ShardingTypeError`` outside
+    ``auto_axes`` ("illegally sharded result").
     """
     mesh = jax.typeof(x).sharding.mesh
-    return None if mesh.empty or mesh.size == 1 else mesh
+    return None if mesh.empty or (mesh.size == 1 and not _is_explicit(mesh)) else mesh
 
 
 def _is_explicit(mesh: Any) -> bool:
