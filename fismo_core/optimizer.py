@@ -1422,6 +1422,10 @@ def _saved_array(xp: Any, x: Any, like: Array, device: Any, key: str) -> Array:
     refused as "saved for another parameter"). One DLPack cannot carry (another device) is a ``TypeError``.
     """
     library, wanted = guards.library_name(x), guards.library_name(like)
+    if library == "numpy" and not x.dtype.isnative:
+        # Stored big-endian (np.save on such arrays, other tools): the byte order is not the dtype, and
+        # swapping it loses nothing; it was refused as "dtype >f8" (a user's hunt, 2026-12-04).
+        x = x.astype(x.dtype.newbyteorder("="))
     if hasattr(x, "__dlpack__") and library not in ("numpy", wanted):
         try:
             x = xp.from_dlpack(x)
@@ -1451,7 +1455,7 @@ def state_dtype(xp: Any, dtype: Any) -> Any:
     the parameters' format; anything wider (NumPy's long double) float64,
     the widest dtype the decompositions take.
     """
-    return xp.float64 if dtype == xp.float64 or xp.finfo(dtype).bits > 64 else xp.float32
+    return xp.float64 if xp.finfo(dtype).bits >= 64 else xp.float32  # also float64 of either byte order
 
 
 def check_state_dtype(xp: Any, state: FISMOState, dtype: Any) -> None:
@@ -1504,12 +1508,18 @@ def line_9(W: Array, dW: Array, lr: float, weight_decay: float = 0.0, *, step_lr
 
     ``decay`` and ``rate`` are `line_9_factors`'s. ``dW`` is rounded once to
     ``W``'s dtype first; the result has ``W``'s dtype and a new array is
-    returned (``W`` is not changed).
+    returned (``W`` is not changed). Half precision computes
+    ``W - rate dW`` in float32 and rounds once, as torch's ``add_`` with
+    ``alpha``: NumPy and JAX rounded a Python ``rate`` to bfloat16 (0.0123
+    became 0.012268) and the product and the difference each to ``W``'s dtype.
     """
     xp = array_namespace(W, dW)
     decay, rate = line_9_factors(lr, weight_decay, step_lr)
     W_decayed = _decayed(xp, W, decay) if decay else W
-    return W_decayed - rate * xp.astype(dW, W.dtype, copy=False)
+    dW = xp.astype(dW, W.dtype, copy=False)
+    if xp.finfo(W.dtype).bits >= 32:
+        return W_decayed - rate * dW
+    return xp.astype(xp.astype(W_decayed, xp.float32) - rate * xp.astype(dW, xp.float32), W.dtype)
 
 
 def _decayed(xp: Any, W: Array, decay: Any) -> Array:
@@ -1615,6 +1625,9 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
     for name in ("skipped", "root_failures"):
         counter = getattr(state, name)
         if isinstance(counter, numbers.Integral):
+            # As from_dict reads them (a hand-built state). An array's values are not read: a host read per step.
+            if not 0 <= counter <= _INT32_MAX:
+                raise ValueError(f"state.{name} counts must lie in 0..{_INT32_MAX}, got {counter!r}")
             continue
         if tuple(counter.shape) not in ((), tuple(batch)):
             raise ValueError(

@@ -170,6 +170,27 @@ def test_state_dtype_follows_W(target: Target) -> None:
     assert direction.dtype == expected
 
 
+def test_big_endian_float64_is_float64() -> None:
+    """NumPy float64 stored big-endian (``'>f8'``: FITS files, some ``.npy`` files) got a float32 state (its dtype
+    is not ``np.float64``, nor wider), stepped at float32's precision, and its second step refused the native
+    float64 parameters the first returned; a big-endian float64 checkpoint was refused as "dtype >f8" (a user's
+    hunt, 2026-12-04). Now both are the native run, bit for bit."""
+    rng = np.random.default_rng(0)
+    W, G = rng.standard_normal((5, 3)), rng.standard_normal((5, 3))
+    big = np.dtype(">f8")
+    opt = FISMO()
+    native = opt.step(W, G, opt.init(W))
+    swapped = opt.step(W.astype(big), G.astype(big), opt.init(W.astype(big)))
+    assert swapped[1].M.dtype == np.float64
+    assert np.array_equal(swapped[0], native[0]) and np.array_equal(swapped[1].P, native[1].P)
+    opt.step(swapped[0], G, swapped[1])  # the second step takes the first's parameters
+    saved = {k: v.astype(v.dtype.newbyteorder(">")) if isinstance(v, np.ndarray) else v
+             for k, v in native[1].to_dict().items()}
+    loaded = FISMOState.from_dict(saved, W)
+    assert loaded.P.dtype == np.float64 and np.array_equal(loaded.P, native[1].P)
+    assert np.array_equal(opt.step(W, G, loaded)[0], opt.step(W, G, native[1])[0])
+
+
 def _low_precision_cases() -> list:
     cases = [pytest.param("numpy", "float16", id="numpy-float16")]
     for lib in ("torch", "jax"):
@@ -216,7 +237,7 @@ def test_low_precision_weight_decay_is_rounded_once(lib: str, dtype: str) -> Non
     """Line 9's decay ``(1 - lr wd) W`` on half-precision parameters is the float32 product rounded once to
     ``W``'s dtype, as torch's ``mul_`` computes it. NumPy and JAX rounded the factor to ``W``'s dtype first:
     bfloat16's 1 - 0.002 = 0.99609, 2.7 times the decay (a user's hunt, 2026-12-03). The direction's part,
-    ``- lr round(dW)``, is unchanged."""
+    ``- lr round(dW)``, likewise: in float32, rounded once."""
     rng = np.random.default_rng(3)
     W64, dW64 = rng.uniform(0.5, 4.0, (16, 24)), rng.standard_normal((16, 24))
     if lib == "numpy":
@@ -242,7 +263,14 @@ def test_low_precision_weight_decay_is_rounded_once(lib: str, dtype: str) -> Non
     ratio = f32(decayed) / f32(W)
     spacing = float(np.finfo(np.float16).eps) if dtype == "float16" else 2.0**-7  # W's relative grid, at most
     assert np.all(np.abs(ratio - (1 - lr * weight_decay)) <= spacing / 2 + 1e-7), ratio
-    assert np.array_equal(f32(line_9(W, dW, lr, weight_decay)), f32(decayed - lr * dW))
+    # The rest, W - rate dW, in float32 and rounded once (as torch's add_ with alpha), computed here in NumPy's
+    # float32: NumPy and JAX rounded the Python rate to W's dtype (bfloat16's 0.0123 is 0.012268) and rounded
+    # the product and the difference each, and 1-2 % of the entries differed from torch's by one unit (a user's
+    # hunt, 2026-12-04).
+    for rate in (lr, 0.0123):
+        float32_difference = f32(decayed).astype(np.float32) - np.float32(rate) * f32(dW).astype(np.float32)
+        expected = f32(asarray(float32_difference))  # one rounding from float32
+        assert np.array_equal(f32(line_9(W, dW, lr, weight_decay, step_lr=rate)), expected)
 
 
 # ------------------------------------------------------------------- devices

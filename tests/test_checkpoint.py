@@ -226,8 +226,11 @@ def test_a_hand_built_batched_state_round_trips() -> None:
     [({"skipped": np.zeros(2)}, TypeError, r"state.skipped must be an integer count .* got float64"),
      ({"root_failures": np.zeros(2, np.float32)}, TypeError, r"state.root_failures must be an integer count"),
      ({"step": -3}, ValueError, r"state step must be an integer >= 0, got -3"),
-     ({"step": 1.5}, ValueError, r"state step must be an integer >= 0, got 1\.5")],
-    ids=["float-skipped", "float-root-failures", "negative-step", "fractional-step"],
+     ({"step": 1.5}, ValueError, r"state step must be an integer >= 0, got 1\.5"),
+     # Python int counters out of from_dict's range: stepped until 2026-12-04 (a user's hunt).
+     ({"skipped": -5}, ValueError, r"state.skipped counts must lie in 0\.\.2147483647, got -5"),
+     ({"root_failures": 2**40}, ValueError, r"state.root_failures counts must lie in 0\.\.2147483647")],
+    ids=["float-skipped", "float-root-failures", "negative-step", "fractional-step", "negative-count", "huge-count"],
 )
 def test_step_refuses_a_hand_built_state_that_could_not_be_saved(edit, exc, match) -> None:
     """``step`` took float counters and a negative step count (a user's hunt, 2026-12-02), and returned a

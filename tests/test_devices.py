@@ -201,8 +201,11 @@ def test_low_precision_parameters(lib: str, dtype: str) -> None:
         # low-precision G is cast up losslessly and everything after is float32.
         for f in STATE_FIELDS:
             assert np.array_equal(to_numpy(getattr(state, f)), to_numpy(getattr(s32, f))), f
-        # Line 9 in W's dtype, with the float32 direction rounded once to it.
-        expected = W_prev - opt.lr * xp.astype(d32, low)
+        # Line 9 with the float32 direction rounded once to W's dtype, then W - lr round(dW) in float32 (here in
+        # NumPy's) rounded once to W's dtype, as torch's add_ with alpha (since 2026-12-04: the product and the
+        # difference were each rounded to W's dtype, and NumPy and JAX rounded lr to it as well).
+        as32 = lambda a: to_numpy(xp.astype(a, f32)).astype(np.float32)  # noqa: E731
+        expected = make(as32(W_prev) - np.float32(opt.lr) * as32(xp.astype(d32, low)))
         assert np.array_equal(to_numpy(xp.astype(W, f32)), to_numpy(xp.astype(expected, f32)))
     assert not np.array_equal(to_numpy(xp.astype(W, f32)), to_numpy(xp.astype(make(W64), f32)))
 
