@@ -1626,7 +1626,7 @@ def _check_call(G: Array, state: FISMOState, block_size: Optional[int], beta: An
         counter = getattr(state, name)
         if isinstance(counter, numbers.Integral):
             # As from_dict reads them (a hand-built state). An array's values are not read: a host read per step.
-            if not 0 <= counter <= _INT32_MAX:
+            if not 0 <= int(counter) <= _INT32_MAX:
                 raise ValueError(f"state.{name} counts must lie in 0..{_INT32_MAX}, got {counter!r}")
             continue
         if tuple(counter.shape) not in ((), tuple(batch)):
