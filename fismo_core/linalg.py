@@ -98,8 +98,12 @@ INVERSE_SQRT_STEPS = {"polar_express": 9, "cubic": 22}
 
 
 def sym(X: Array) -> Array:
-    """Symmetric part ``sym(X) = (X + X^T) / 2`` of square matrices ``(..., d, d)``."""
-    xp = array_namespace(X)
+    """Symmetric part ``sym(X) = (X + X^T) / 2`` of square matrices ``(..., d, d)``.
+
+    A ``ValueError`` for a non-square ``X`` (``X + X^T`` broadcast a ``(1, 3)`` to ``(3, 3)``), a ``TypeError``
+    for a non-floating one: checks of the shape and dtype only, no array operation.
+    """
+    xp = _check_float_matrices(X, "sym: X", square=True)
     return (X + xp.matrix_transpose(X)) / 2
 
 
@@ -108,8 +112,9 @@ def trace_normalize(A: Array) -> Array:
 
     This is the normalisation of Algorithm 1 (``P_t = sym(m / tr(P~_t) P~_t)``);
     it removes the scale ambiguity ``(P, Q) ~ (cP, Q/c)`` of the Kronecker metric.
+    A non-square or non-floating ``A`` is refused as by `sym`.
     """
-    xp = array_namespace(A)
+    xp = _check_float_matrices(A, "trace_normalize: A", square=True)
     d = A.shape[-1]
     return (d / xp.linalg.trace(A))[..., None, None] * A
 
@@ -375,12 +380,19 @@ def _check_same_namespace_and_device(*arrays: Array) -> Any:
 def _refuse_numpy_matrix(X: Any, name: str) -> None:
     """A clear ``TypeError`` for NumPy's legacy ``numpy.matrix``, whose ``*`` is a matrix product and whose
     reductions keep two dimensions: the array API's expressions fail on it or compute something else.
-    SciPy's sparse ``.todense()`` returns one."""
+    SciPy's sparse ``.todense()`` returns one. And for a masked array, whose reductions skip its mask."""
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(X, numpy.matrix):
         raise TypeError(
             f"{name} is a numpy.matrix (scipy.sparse's .todense() returns one), whose * is a matrix product: "
             f"pass np.asarray({name}) (or the sparse matrix's .toarray())"
+        )
+    if numpy is not None and isinstance(X, numpy.ma.MaskedArray):
+        # Its reductions skip the masked entries: a masked NaN passed the input checks and reached LAPACK
+        # ("SVD did not converge"), a masked entry was used in the products (a user's hunt, 2026-12-04).
+        raise TypeError(
+            f"{name} is a numpy masked array, whose reductions skip the masked entries while its products use "
+            f"them: pass {name}.filled(value) (the value the masked entries should have)"
         )
 
 
@@ -988,7 +1000,13 @@ def inverse_sqrt(
     # the smallest subnormal, rounded up (float32: 4^-74), since 4^-75 = 2^-150 rounds to zero:
     # max|A| = 2^-149 then gives A / 4^-74 in [1/2, 1), as good.
     finfo = xp.finfo(A.dtype)
-    smallest_half_log4 = math.ceil(math.log2(float(finfo.smallest_normal) * float(finfo.eps)) / 2)
+    # log2 of the smallest subnormal; from the stated exponents where the finfo has them (NumPy, JAX): NumPy's
+    # long double's, 2^-16445, is 0.0 as a Python float ("math domain error", a user's hunt, 2026-12-04).
+    if hasattr(finfo, "minexp") and hasattr(finfo, "nmant"):
+        log2_smallest = finfo.minexp - finfo.nmant
+    else:
+        log2_smallest = math.log2(float(finfo.smallest_normal) * float(finfo.eps))
+    smallest_half_log4 = math.ceil(log2_smallest / 2)
     half_log4 = xp.maximum(xp.floor(exponent / 2), xp.full_like(exponent, smallest_half_log4))
     A = A / 4.0**half_log4
     scale = safety**2 * _frobenius_norm(xp, A)

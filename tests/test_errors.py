@@ -187,6 +187,26 @@ def test_a_numpy_matrix_is_refused_by_name_in_the_core_and_the_matrix_functions(
         linalg.whiten(np.asmatrix(G), np.eye(G.shape[0]), np.eye(G.shape[1]))
 
 
+def test_a_numpy_masked_array_is_refused_by_name_in_the_core_and_the_matrix_functions() -> None:
+    """A masked array's reductions skip its mask and its products do not: a masked NaN passed the input checks
+    of ``polar`` and reached LAPACK ("SVD did not converge"), a masked asymmetry passed ``inverse_sqrt``'s
+    symmetry check (a user's hunt, 2026-12-04). Refused by name, saying what to pass, before anything changes."""
+    from fismo_core import linalg
+
+    opt, W, G, state = _numpy_setup()
+    match = r"is a numpy masked array, whose reductions skip the masked entries while its products use them"
+    masked = np.ma.masked_array(G, mask=np.zeros(G.shape, bool))
+    _raises_and_untouched(lambda: opt.step(W, masked, state), state, TypeError, "G " + match)
+    hidden_nan = G.copy()
+    hidden_nan[0, 0] = np.nan
+    hidden_nan = np.ma.masked_invalid(hidden_nan)
+    for method in ("newton_schulz", "svd"):
+        with pytest.raises(TypeError, match="X " + match):
+            linalg.polar(hidden_nan, method=method)
+    with pytest.raises(TypeError, match="A " + match):
+        linalg.inverse_sqrt(np.ma.masked_array(np.eye(3), mask=np.eye(3, k=1, dtype=bool)))
+
+
 # ---------------------------------------------------- namespaces, devices
 def test_two_namespaces_in_one_call() -> None:
     torch = pytest.importorskip("torch")

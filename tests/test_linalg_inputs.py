@@ -355,6 +355,27 @@ def test_newton_schulz_polar_takes_numpy_long_double() -> None:
     assert max_relative_error(got.astype(np.float64), polar(X)) <= 1e-12
 
 
+def test_newton_schulz_inverse_sqrt_takes_numpy_long_double() -> None:
+    """The same cap in the matmul-only inverse root: its floor of the scaling exponent read
+    ``float(finfo.smallest_normal) * float(finfo.eps)``, 0.0 for long double, and raised "math domain error"
+    (a user's hunt, 2026-12-04). ``check=False``: the check's eigvalsh is NumPy's, which refuses long double.
+    Against the exact root of diag(4, 9): the iteration's own error (its default steps reach float64's)."""
+    A = np.diag([4.0, 9.0]).astype(np.longdouble)
+    got = linalg.inverse_sqrt(A, method="newton_schulz", check=False)
+    assert got.dtype == np.longdouble
+    assert max_relative_error(got.astype(np.float64), np.diag([0.5, 1 / 3])) <= 1e-12
+
+
+@pytest.mark.parametrize("function", ["sym", "trace_normalize"])
+@pytest.mark.parametrize("shape", [(1, 3), (2, 1, 3), (2, 3)])
+def test_sym_and_trace_normalize_refuse_a_non_square_input(function: str, shape: tuple) -> None:
+    """``sym`` of a (1, 3) returned a (3, 3) (``X + X^T`` broadcast) and ``trace_normalize`` of a (2, 3) rescaled
+    by its leading diagonal's trace, on every backend, without a word (a user's hunt, 2026-12-04)."""
+    X = np.ones(shape)
+    with pytest.raises(ValueError, match=rf"{function}: \w must be square in its last two dimensions, got shape"):
+        getattr(linalg, function)(X)
+
+
 def test_configs_keep_coefficients_given_as_an_iterator() -> None:
     """``PolarConfig`` and ``InverseRootConfig`` validated an iterator (consuming it), then stored what was
     left: an empty schedule, refused at the first step with an error about ``()`` (found by a user's hunt,
