@@ -180,8 +180,8 @@ def has_values(X: Array) -> bool:
 
 def _nonfinite_counts(xp: Any, X: Array) -> str:
     """How many entries of ``X`` are NaN and infinite, in words (two host reads: for an error message only)."""
-    nan = int(xp.sum(xp.astype(xp.isnan(X), xp.int32)))
-    inf = int(xp.sum(xp.astype(xp.isinf(X), xp.int32)))
+    nan = linalg._count_set(xp, xp.isnan(X))
+    inf = linalg._count_set(xp, xp.isinf(X))
     return f"{nan} NaN, {inf} infinite of {math.prod(X.shape)} entries"
 
 
@@ -661,7 +661,7 @@ def guarded_inverse_sqrt(
             ok = ok | ok64
     root = structure.from_parts(tuple(roots))
     failed = ~ok
-    count = int(xp.sum(xp.astype(failed, xp.int32)))
+    count = linalg._count_set(xp, failed)
     if count == 0:
         return A, root, False
     total = math.prod(failed.shape)

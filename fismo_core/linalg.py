@@ -434,6 +434,15 @@ def _dtype_name(dtype: Any) -> str:
     return dtype.__name__ if isinstance(dtype, type) else str(dtype).rsplit(".", 1)[-1]
 
 
+def _count_set(xp: Any, flags: Array) -> int:
+    """How many of the boolean ``flags`` are set (a host read), summed in the device's default integer dtype:
+    the sum's own default, int64, is refused on a device without 64-bit types (array-api-strict's "no_x64"),
+    and a refusal became that error (a user's hunt, 2026-12-04)."""
+    info = getattr(xp, "__array_namespace_info__", None)  # the standard's inspection API (2023.12 on)
+    integral = xp.int64 if info is None else info().default_dtypes(device=_device(flags))["integral"]
+    return int(xp.sum(xp.astype(flags, integral), dtype=integral))
+
+
 def _first_failure(xp: Any, failed: Array, batch_shape: tuple[int, ...], name: str) -> tuple[str, int]:
     """``(label, flat index)`` of the first matrix flagged in the batch-shaped boolean ``failed``.
 
@@ -441,10 +450,13 @@ def _first_failure(xp: Any, failed: Array, batch_shape: tuple[int, ...], name: s
     followed by how many matrices of the batch fail; two host reads.
     """
     flat = xp.reshape(failed, (-1,))
-    first = int(xp.argmax(xp.astype(flat, xp.int8)))
+    # The smallest flagged position, in int32: argmax makes an int64 index, which a device without 64-bit
+    # types refuses (array-api-strict's "no_x64"), and the refusal became that error (a user's hunt, 2026-12-04).
+    positions = xp.arange(flat.shape[0], dtype=xp.int32, device=_device(flat))
+    first = int(xp.min(xp.where(flat, positions, xp.full_like(positions, flat.shape[0]))))
     if not batch_shape:
         return name, first
-    count = int(xp.sum(xp.astype(flat, xp.int32)))
+    count = _count_set(xp, flat)
     index, rest = [], first
     for size in reversed(batch_shape):
         rest, i = divmod(rest, size)
@@ -476,8 +488,8 @@ def _checks_can_run(xp: Any, X: Array, name: str, function: str) -> bool:
     failed = ~xp.all(xp.isfinite(X), axis=(-2, -1))
     label, first = _first_failure(xp, failed, tuple(X.shape[:-2]), name)
     bad = _matrix(xp, X, first)
-    nan = int(xp.sum(xp.astype(xp.isnan(bad), xp.int32)))
-    inf = int(xp.sum(xp.astype(xp.isinf(bad), xp.int32)))
+    nan = _count_set(xp, xp.isnan(bad))
+    inf = _count_set(xp, xp.isinf(bad))
     raise LinalgInputError(
         f"{function}: {label} is not finite: {nan} NaN and {inf} infinite of {math.prod(bad.shape)} entries"
     )

@@ -366,6 +366,19 @@ def test_newton_schulz_inverse_sqrt_takes_numpy_long_double() -> None:
     assert max_relative_error(got.astype(np.float64), np.diag([0.5, 1 / 3])) <= 1e-12
 
 
+def test_refusals_on_a_device_without_64_bit_types() -> None:
+    """array-api-strict's "no_x64" device: the refusals counted and located the failures with int64 arrays
+    (``argmax``, ``sum``), which that device refuses, so the caller got "does not support dtype=int64" in
+    place of the ``LinalgInputError`` (a user's hunt, 2026-12-04). Counted in the device's default integer."""
+    xs = pytest.importorskip("array_api_strict")
+    device = xs.Device("no_x64")
+    batch = xs.asarray([[[1.0, 0.0], [0.0, 1.0]], [[1.0, 2.0], [2.0, 1.0]]], dtype=xs.float32, device=device)
+    with pytest.raises(linalg.LinalgInputError, match=r"A\[1\] \(1 of 2 matrices of the batch fail\) is not positive"):
+        linalg.inverse_sqrt(batch)
+    with pytest.raises(linalg.LinalgInputError, match=r"X is not finite: 1 NaN and 0 infinite of 4 entries"):
+        linalg.polar(xs.asarray([[float("nan"), 0.0], [0.0, 1.0]], dtype=xs.float32, device=device))
+
+
 @pytest.mark.parametrize("function", ["sym", "trace_normalize"])
 @pytest.mark.parametrize("shape", [(1, 3), (2, 1, 3), (2, 3)])
 def test_sym_and_trace_normalize_refuse_a_non_square_input(function: str, shape: tuple) -> None:
