@@ -562,6 +562,28 @@ def test_a_float64_array_beta_steps_as_the_number_bit_for_bit(target: Target, ne
 
 
 @pytest.mark.numbers
+@pytest.mark.parametrize("beta_dtype", ["float16", "float32"])
+def test_a_narrow_array_beta_steps_as_its_number_bit_for_bit(target: Target, beta_dtype: str) -> None:
+    """A float16 or float32 0-d ``beta`` (below 0.5, where ``1 - beta`` rounds) is line 7 with the number it
+    holds, bit for bit: ``1 - beta`` was taken in ``beta``'s own dtype, and a float16 0.1235 on a float32 state
+    moved ``M_t`` by 1.3e-4 against ``FISMO(beta=float(beta))`` (a user's hunt, 2026-12-04)."""
+    xp = target.xp
+    if beta_dtype == "float16" and not hasattr(xp, "float16"):
+        pytest.skip(f"{target.id} has no float16")
+    W0, grads = _muon_case((6, 4), steps=3)
+    held = float(np.asarray(0.1235, dtype=beta_dtype))
+    runs = []
+    for beta in (held, xp.asarray(held, dtype=getattr(xp, beta_dtype))):
+        W = target.asarray(W0)
+        opt = FISMO(beta=beta)
+        state = opt.init(W)
+        for G in grads:
+            W, state = opt.step(W, target.asarray(G), state)
+        runs.append(to_numpy(state.M))
+    assert np.array_equal(runs[0], runs[1])
+
+
+@pytest.mark.numbers
 @pytest.mark.parametrize("scalar", [np.float64, np.float32])
 def test_a_numpy_scalar_beta_is_the_python_float(target: Target, scalar) -> None:
     """A NumPy scalar ``beta`` (which array-api-compat counts as an array) is taken as ``float(beta)``, bit
