@@ -366,6 +366,27 @@ def test_newton_schulz_inverse_sqrt_takes_numpy_long_double() -> None:
     assert max_relative_error(got.astype(np.float64), np.diag([0.5, 1 / 3])) <= 1e-12
 
 
+@pytest.mark.parametrize("dtype, eps, default_rank", [("float16", 2**-10, 12), ("bfloat16", 2**-7, 15)])
+def test_a_rank_deficient_half_precision_input_needs_its_own_rtol(dtype: str, eps: float, default_rank: int) -> None:
+    """What docs/linalg.md says of half-precision input to the SVD polar: a rank-1 16 x 16 matrix rounded to
+    float16 (bfloat16) keeps rounding-level singular values above the default cut (float32's), so the default
+    factor has rank 12 (15); ``rtol=16 eps`` of its dtype gives the rank-1 answer, the float32 input's."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    X = np.outer(rng.standard_normal(16), rng.standard_normal(16))
+    half = torch.as_tensor(X).to(getattr(torch, dtype))
+
+    def rank(Q):
+        return int(torch.linalg.matrix_rank(Q.float(), rtol=0.1))
+
+    # Measured 12 and 15 (2026-12-04); which of the rounding-level values clear the cut may vary with the SVD.
+    assert rank(linalg.polar(half, method="svd")) >= default_rank - 4
+    cut = linalg.polar(half, method="svd", rtol=16 * eps)
+    exact = linalg.polar(torch.as_tensor(X).float(), method="svd")
+    assert rank(cut) == 1
+    assert float(torch.linalg.norm(cut.float() - exact)) <= 0.05  # the half dtype's rounding of U_1 V_1^T
+
+
 def test_refusals_on_a_device_without_64_bit_types() -> None:
     """array-api-strict's "no_x64" device: the refusals counted and located the failures with int64 arrays
     (``argmax``, ``sum``), which that device refuses, so the caller got "does not support dtype=int64" in
