@@ -914,7 +914,8 @@ def inverse_sqrt(
         Newton–Schulz steps (ignored by ``"eigh"``). Default: the schedule's
         own count, 9 for ``"polar_express"``, 22 for ``"cubic"`` (both reach
         float64 precision for ``kappa'`` up to 1e6, see below), or the length
-        of an explicit sequence.
+        of an explicit sequence (a single triple needs ``steps``: it would run
+        once, a ``ValueError``).
     coefficients:
         ``"polar_express"`` (default): the schedule of Amsel et al. (2025),
         see [`POLAR_EXPRESS_COEFFICIENTS`][fismo_core.linalg.POLAR_EXPRESS_COEFFICIENTS],
@@ -1119,6 +1120,14 @@ def inverse_sqrt_steps(coefficients: Coefficients, steps: Optional[int] = None) 
         )
     if steps is None:
         newton_schulz_schedule(coefficients, 1)  # an unknown name or a malformed sequence is an error here
-        return INVERSE_SQRT_STEPS[coefficients] if isinstance(coefficients, str) else len(tuple(coefficients))
+        if isinstance(coefficients, str):
+            return INVERSE_SQRT_STEPS[coefficients]
+        if len(tuple(coefficients)) == 1:
+            # CUBIC_COEFFICIENTS given for "cubic" ran once, 93 % off with check=True (a user's hunt, 2026-12-04).
+            raise ValueError(
+                f"coefficients={tuple(coefficients)!r} is one (a, b, c) triple and steps=None would run it once; an "
+                "inverse square root needs many steps: pass steps= (the triple repeats), or the name 'cubic' (22 steps)"
+            )
+        return len(tuple(coefficients))
     newton_schulz_schedule(coefficients, steps)  # validates both
     return steps

@@ -387,6 +387,19 @@ def test_a_rank_deficient_half_precision_input_needs_its_own_rtol(dtype: str, ep
     assert float(torch.linalg.norm(cut.float() - exact)) <= 0.05  # the half dtype's rounding of U_1 V_1^T
 
 
+def test_one_triple_without_steps_is_refused_for_the_inverse_root() -> None:
+    """``coefficients=CUBIC_COEFFICIENTS`` (the constant, not the name ``"cubic"``) ran its one triple once:
+    93 % off the root, with ``check=True`` (a user's hunt, 2026-12-04). Refused, in ``InverseRootConfig`` too;
+    with ``steps`` the triple repeats, as the name's 22 steps do."""
+    A = np.diag([4.0, 9.0, 0.25])
+    with pytest.raises(ValueError, match=r"is one \(a, b, c\) triple and steps=None would run it once"):
+        linalg.inverse_sqrt(A, method="newton_schulz", coefficients=linalg.CUBIC_COEFFICIENTS)
+    with pytest.raises(ValueError, match=r"inverse-root coefficients=.* is one \(a, b, c\) triple"):
+        InverseRootConfig(method="newton_schulz", coefficients=linalg.CUBIC_COEFFICIENTS)
+    repeated = linalg.inverse_sqrt(A, method="newton_schulz", coefficients=linalg.CUBIC_COEFFICIENTS, steps=22)
+    assert np.array_equal(repeated, linalg.inverse_sqrt(A, method="newton_schulz", coefficients="cubic"))
+
+
 def test_refusals_on_a_device_without_64_bit_types() -> None:
     """array-api-strict's "no_x64" device: the refusals counted and located the failures with int64 arrays
     (``argmax``, ``sum``), which that device refuses, so the caller got "does not support dtype=int64" in
