@@ -708,14 +708,50 @@ def test_optax_matrix_shape_for_flax_kernels() -> None:
     assert isinstance(tx, optax.GradientTransformation)
 
 
+def _check_optax_step_against_the_core(optax, core, learning_rate, W, G, s_core, u, s_tx):
+    """One optax step from ``W`` against the core's from the same ``W`` and state; returns the core's state.
+
+    The FISMO state is the core's bit for bit. In float32 and wider the new
+    params are the core's ``FISMO.step`` bit for bit. In bfloat16 and float16
+    the updates follow optax's convention (``optax.adamw``'s): they have the
+    params' dtype, bit for bit ``optax.scale_by_learning_rate`` applied to the
+    core's direction rounded to that dtype, and ``optax.apply_updates`` adds
+    them in that dtype: two roundings, where the core's line 9 computes
+    ``W - lr dW`` in float32 and rounds once (as torch's ``add_``). The two
+    then differ by at most the rounding of the update (half its spacing)
+    plus one spacing of the result.
+    """
+    d_core, s_next = core.direction(G, s_core)
+    W_core, _ = core.step(W, G, s_core)
+    W_tx = optax.apply_updates(W, u)
+    inner = s_tx.inner_states["fismo"].inner_state[0].states
+    for f in STATE_FIELDS:
+        assert getattr(inner, f).dtype == getattr(s_next, f).dtype
+        assert bool(jnp.array_equal(getattr(inner, f), getattr(s_next, f))), f
+    assert u.dtype == W.dtype and W_tx.dtype == W.dtype
+    if jnp.finfo(W.dtype).bits >= 32:
+        assert bool(jnp.array_equal(W_tx, W_core))
+        return s_next
+    scaled, _ = optax.scale_by_learning_rate(float(learning_rate)).update(d_core.astype(W.dtype), optax.EmptyState())
+    assert bool(jnp.array_equal(u, scaled))
+    # np.spacing in float32 units: bfloat16 and float16 have 8 and 11 significant bits, float32 24.
+    bound = 0.5 * np.abs(np.spacing(np.asarray(u))).astype(np.float32) + np.abs(
+        np.spacing(np.asarray(W_core))).astype(np.float32)
+    gap = np.abs(np.asarray(W_tx, dtype=np.float32) - np.asarray(W_core, dtype=np.float32))
+    assert (gap <= bound).all(), float((gap - bound).max())
+    return s_next
+
+
 @pytest.mark.parametrize("lr", ["float", "np.float64", "np.float32", "jnp float32"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_optax_low_precision_params(dtype: str, lr: str) -> None:
-    """bf16/fp16 params: updates and params keep their dtype, FISMO's statistics are float32,
-    and the result is the core's step on the same bf16/fp16 W, bit for bit. Also with a learning
-    rate that is a NumPy scalar or a JAX array (what ``optax.inject_hyperparams`` passes): not weakly
-    typed as a Python float, it made float64 (or float32) updates of float32 (or bfloat16) params and
-    parted from the core's step by a rounding (a user's hunt, 2026-12-02)."""
+    """bf16/fp16 params: updates and params keep their dtype, FISMO's statistics are float32 and
+    the core's bit for bit, and the step is the core's (`_check_optax_step_against_the_core`: bit for
+    bit in float32; in half precision within the rounding of optax's update, which has the params'
+    dtype, since the core's line 9 rounds once as torch's ``add_`` does, 2026-12-04). Also with a
+    learning rate that is a NumPy scalar or a JAX array (what ``optax.inject_hyperparams`` passes):
+    not weakly typed as a Python float, it made float64 (or float32) updates of float32 (or bfloat16)
+    params and parted from the core's step by a rounding (a user's hunt, 2026-12-02)."""
     optax = _optax()
     from fismo_core.backends.optax import fismo
 
@@ -725,17 +761,14 @@ def test_optax_low_precision_params(dtype: str, lr: str) -> None:
     learning_rate = {"float": 0.02, "np.float64": np.float64(0.02), "np.float32": np.float32(0.02),
                      "jnp float32": jnp.asarray(0.02, dtype=jnp.float32)}[lr]
     tx, core = fismo(learning_rate), FISMO(lr=float(learning_rate))
-    W_tx = W_core = W0
+    W = W0
     s_tx, s_core = tx.init(W0), core.init(W0)
     for G in grads:
-        u, s_tx = tx.update(G, s_tx, W_tx)
-        W_tx = optax.apply_updates(W_tx, u)
-        W_core, s_core = core.step(W_core, G, s_core)
-        assert u.dtype == jnp.dtype(dtype) and W_tx.dtype == jnp.dtype(dtype)
-        inner = s_tx.inner_states["fismo"].inner_state[0].states
-        assert all(getattr(inner, f).dtype == jnp.float32 for f in STATE_FIELDS)
-        assert bool(jnp.array_equal(W_tx, W_core))
-    assert not bool(jnp.array_equal(W_tx, W0))
+        u, s_tx = tx.update(G, s_tx, W)
+        s_core = _check_optax_step_against_the_core(optax, core, learning_rate, W, G, s_core, u, s_tx)
+        assert all(getattr(s_core, f).dtype == jnp.float32 for f in STATE_FIELDS)
+        W = optax.apply_updates(W, u)
+    assert not bool(jnp.array_equal(W, W0))
 
 
 @pytest.mark.parametrize("param_dtype, grad_dtype", [("float32", "bfloat16"), ("float32", "float16"),
@@ -743,10 +776,10 @@ def test_optax_low_precision_params(dtype: str, lr: str) -> None:
 def test_optax_gradients_of_another_dtype_than_the_params(param_dtype: str, grad_dtype: str) -> None:
     """Gradients narrower or wider than the params (cast for communication, or from a float32 loss of
     bfloat16 params): the updates have the params' dtype, as ``optax.adamw``'s, and the steps are the
-    core's on the same gradients, bit for bit (the core rounds ``dW`` once, to ``W``'s dtype). Until
-    2026-12-03 the directions were rounded to the gradient's dtype: float32 params with bfloat16
-    gradients parted from the core by 2e-3 of their change in three steps (a user's hunt). Without the
-    params, ``scale_by_fismo``'s directions keep the gradient's dtype, as documented."""
+    core's on the same gradients (`_check_optax_step_against_the_core`). Until 2026-12-03 the
+    directions were rounded to the gradient's dtype: float32 params with bfloat16 gradients parted
+    from the core by 2e-3 of their change in three steps (a user's hunt). Without the params,
+    ``scale_by_fismo``'s directions keep the gradient's dtype, as documented."""
     optax = _optax()
     from fismo_core.backends.optax import fismo, scale_by_fismo
 
@@ -754,15 +787,13 @@ def test_optax_gradients_of_another_dtype_than_the_params(param_dtype: str, grad
     W0 = jnp.asarray(np.random.default_rng(13).standard_normal(SHAPE), dtype=param_dtype)
     grads = [jnp.asarray(g, dtype=grad_dtype) for g in reference_gradients(SHAPE, 3, seed=14)]
     tx, core = fismo(0.02), FISMO(lr=0.02)
-    W_tx = W_core = W0
+    W = W0
     s_tx, s_core = tx.init(W0), core.init(W0)
     for G in grads:
-        u, s_tx = tx.update(G, s_tx, W_tx)
-        assert u.dtype == jnp.dtype(param_dtype)
-        W_tx = optax.apply_updates(W_tx, u)
-        W_core, s_core = core.step(W_core, G, s_core)
-        assert bool(jnp.array_equal(W_tx, W_core))
-    assert not bool(jnp.array_equal(W_tx, W0))
+        u, s_tx = tx.update(G, s_tx, W)
+        s_core = _check_optax_step_against_the_core(optax, core, 0.02, W, G, s_core, u, s_tx)
+        W = optax.apply_updates(W, u)
+    assert not bool(jnp.array_equal(W, W0))
     jitted, _ = jax.jit(tx.update)(grads[0], tx.init(W0), W0)
     assert jitted.dtype == jnp.dtype(param_dtype)
     bare = scale_by_fismo()
