@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Union, runtime
 
 from array_api_compat import array_namespace
 
-from .linalg import Array, _device
+from .linalg import Array, _check_integer, _device
 
 __all__ = [
     "BlockDiagonalFactor",
@@ -113,11 +113,11 @@ class KroneckerFactor(Protocol):
 def _product(a: Array, b: Array, matmul_dtype: Optional[str]) -> Array:
     """``a @ b``; with ``matmul_dtype`` (a dtype name such as ``"bfloat16"``) computed in that dtype and
     returned in ``a``'s (``InverseRootConfig.matmul_dtype``). ``None``: ``a @ b`` as it is, bit for bit."""
+    xp = array_namespace(a, b)  # also refuses two libraries (torch's @ took a NumPy b and returned a tensor)
     if matmul_dtype is None:
         return a @ b
     from .linalg import _resolve_dtype  # the polar's dtype names, resolved in a's library
 
-    xp = array_namespace(a, b)
     dtype = _resolve_dtype(xp, matmul_dtype)
     return xp.astype(xp.astype(a, dtype, copy=False) @ xp.astype(b, dtype, copy=False), a.dtype, copy=False)
 
@@ -133,6 +133,39 @@ def _gram(X: Array, matmul_dtype: Optional[str]) -> Array:
     return xp.astype(low @ xp.matrix_transpose(low), X.dtype, copy=False)
 
 
+def _data_term(xp: Any, X: Array, A: Array, d: int, owner: object) -> Array:
+    """``X`` of ``update`` checked against the factor of side ``d`` and taken in ``A``'s precision or wider.
+
+    ``X`` must have ``d`` rows (a blocked factor dropped the others, or
+    returned a factor of another shape) and a real floating dtype (an
+    integer ``X`` made float64 on NumPy and float32 elsewhere); a narrower
+    ``X`` is widened before its Gram product (float16 ``X X^T`` overflowed to
+    NaN in a float32 factor). Shapes and dtypes only: nothing is read.
+    """
+    _check_rows(X, d, owner)
+    if X.dtype != A.dtype:
+        if not xp.isdtype(X.dtype, "real floating"):
+            raise TypeError(f"{owner!r}: X must be a real floating array, got {X.dtype}")
+        X = xp.astype(X, xp.result_type(X.dtype, A.dtype))
+    return X
+
+
+def _check_factor(A: Optional[Array], shape: tuple[int, ...], owner: object) -> None:
+    """A ``ValueError`` unless ``A`` (one part of a factor) ends in ``shape`` (`KroneckerFactor.part_shapes`)."""
+    if A is None or A.ndim < len(shape) or tuple(A.shape[A.ndim - len(shape):]) != shape:
+        wanted = ", ".join(map(str, shape))
+        got = "no such part" if A is None else tuple(A.shape)
+        raise ValueError(f"{owner!r}: the factor must have shape (..., {wanted}), got {got}")
+
+
+def _check_rows(X: Array, d: int, owner: object, *, from_the_right: bool = False) -> None:
+    """A ``ValueError`` unless ``X`` is ``(..., d, c)`` (``(..., c, d)`` ``from_the_right``): what a side of
+    size ``d`` multiplies (a blocked factor dropped the other rows; shapes only, nothing is read)."""
+    axis, wanted = (-1, f"(..., c, {d})") if from_the_right else (-2, f"(..., {d}, c)")
+    if X.ndim < 2 or X.shape[axis] != d:
+        raise ValueError(f"{owner!r}: X must have shape {wanted} for a side of size d={d}, got {tuple(X.shape)}")
+
+
 def _trace(xp: Any, A: Array) -> Array:
     """``tr A`` of matrices ``(..., d, d)`` as ``(..., 1, 1)``."""
     return xp.linalg.trace(A)[..., None, None]
@@ -146,7 +179,7 @@ class FullFactor:
     """
 
     def __init__(self, d: int, matmul_dtype: Optional[str] = None) -> None:
-        self.d = d
+        self.d = _check_integer("d", d)
         self.matmul_dtype = matmul_dtype
 
     def __repr__(self) -> str:
@@ -182,7 +215,8 @@ class FullFactor:
         ``A_t = sym(k A~_t) = k a A_{t-1} + (k b / 2)(X X^T + (X X^T)^T) + k c I``.
         """
         xp = array_namespace(A, X)
-        gram = _gram(X, self.matmul_dtype)
+        _check_factor(A, (self.d, self.d), self)
+        gram = _gram(_data_term(xp, X, A, self.d, self), self.matmul_dtype)
         return _combine(xp, A, gram, _trace(xp, A), _trace(xp, gram), divisor, gamma, mu, inv_s2, self.d)
 
     def inverse_sqrt(self, A: Array, root: Callable[[Array], Array]) -> Array:
@@ -191,10 +225,12 @@ class FullFactor:
 
     def left(self, Z: Array, X: Array) -> Array:
         """``Z X``: a root applied from the left (``P^{-1/2} X``)."""
+        _check_rows(X, self.d, self)
         return _product(Z, X, self.matmul_dtype)
 
     def right(self, X: Array, Z: Array) -> Array:
         """``X Z``: a root applied from the right (``X Q^{-1/2}``)."""
+        _check_rows(X, self.d, self, from_the_right=True)
         return _product(X, Z, self.matmul_dtype)
 
 
@@ -206,6 +242,7 @@ class BlockDiagonalFactor:
     """
 
     def __init__(self, d: int, block_size: int, matmul_dtype: Optional[str] = None) -> None:
+        d, block_size = _check_integer("d", d), _check_integer("block_size", block_size)
         if not 0 < block_size < d:
             raise ValueError(f"a block-diagonal factor needs 0 < block_size < d, got block_size={block_size}, d={d}")
         self.d, self.B = d, block_size
@@ -234,6 +271,7 @@ class BlockDiagonalFactor:
     def _split_rows(self, X: Array) -> tuple[Array, Optional[Array]]:
         """Rows of ``X`` ``(..., d, c)`` by block: ``(..., k, B, c)`` and the remainder ``(..., r, c)``."""
         xp = array_namespace(X)
+        _check_rows(X, self.d, self)
         kB = self.k * self.B
         full = xp.reshape(X[..., :kB, :], (*X.shape[:-2], self.k, self.B, X.shape[-1]))
         return full, (X[..., kB:, :] if self.r else None)
@@ -251,7 +289,9 @@ class BlockDiagonalFactor:
         over all blocks, so ``tr A_t = d``.
         """
         xp = array_namespace(A.full, X)
-        X_full, X_rest = self._split_rows(X)
+        for part, shape in zip(self.parts(A), self.part_shapes()):
+            _check_factor(part, shape, self)
+        X_full, X_rest = self._split_rows(_data_term(xp, X, A.full, self.d, self))
         grams = [_gram(X_full, self.matmul_dtype)]
         if X_rest is not None:
             grams.append(_gram(X_rest, self.matmul_dtype))
@@ -281,6 +321,7 @@ class BlockDiagonalFactor:
     def right(self, X: Array, Z: Blocks) -> Array:
         """``X Z = (Z^T X^T)^T`` for block-diagonal ``Z``."""
         xp = array_namespace(X)
+        _check_rows(X, self.d, self, from_the_right=True)
         Zt = Blocks(xp.matrix_transpose(Z.full), None if Z.rest is None else xp.matrix_transpose(Z.rest))
         return xp.matrix_transpose(self.left(Zt, xp.matrix_transpose(X)))
 
@@ -318,7 +359,11 @@ Structure = KroneckerFactor
 def factor_structure(d: int, block_size: Optional[int], matmul_dtype: Optional[str] = None) -> KroneckerFactor:
     """The structure of a side of size ``d``: full if ``block_size`` is ``None`` or ``d <= block_size``.
 
-    ``matmul_dtype``: the dtype of its products (``InverseRootConfig.matmul_dtype``; ``None``: the operands')."""
+    ``matmul_dtype``: the dtype of its products (``InverseRootConfig.matmul_dtype``; ``None``: the operands').
+    ``d`` and ``block_size`` are checked as ``FISMO(block_size=...)`` checks them (``2.5``, ``True`` and
+    ``"4"`` were taken, and failed later or gave meaningless sizes)."""
+    d = _check_integer("d", d)
+    block_size = _check_integer("block_size", block_size, none_means="full factors")
     if block_size is None or d <= block_size:
         return FullFactor(d, matmul_dtype)
     return BlockDiagonalFactor(d, block_size, matmul_dtype)
@@ -352,7 +397,7 @@ def state_size(m: int, n: int, block_size: Optional[int] = None) -> int:
     side of size ``d > B`` keeps ``k B^2 + r^2 <= d B`` per array, so the
     total is at most ``m n + 2 (m + n) B``.
     """
-    total = m * n
+    total = _check_integer("m", m) * _check_integer("n", n)
     for d in (m, n):
         structure = factor_structure(d, block_size)
         total += 2 * sum(math.prod(shape) for shape in structure.part_shapes())

@@ -312,6 +312,69 @@ def test_block_size_must_be_a_positive_integer(bad) -> None:
         FISMO(block_size=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_the_structures_and_state_size_check_their_sizes(bad) -> None:
+    """``factor_structure``, the structures and ``state_size`` refuse what ``FISMO(block_size=...)`` refuses
+    (until 2026-12-04 ``state_size(5, 5, 2.5)`` was 75.0 and ``factor_structure(8, True)`` failed later; a
+    user's hunt)."""
+    with pytest.raises(ValueError, match="block_size must be None"):
+        factor_structure(8, bad)
+    with pytest.raises(ValueError, match="block_size must be None"):
+        state_size(5, 5, bad)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        BlockDiagonalFactor(8, bad)
+    for make in (lambda: factor_structure(bad, 4), lambda: FullFactor(bad), lambda: state_size(bad, 4)):
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            make()
+
+
+@pytest.mark.parametrize("structure", [FullFactor(8), BlockDiagonalFactor(8, 4), BlockDiagonalFactor(9, 4)], ids=repr)
+def test_a_data_term_or_factor_of_another_size_is_refused(target64: Target, structure) -> None:
+    """``update``, ``left`` and ``right`` refuse an ``X`` whose rows are not the side ``d``, and ``update``
+    a factor of another size: a blocked factor dropped the extra rows, or (with a remainder block)
+    returned a factor of another shape, trace 9.57 for d = 9, and ``FullFactor(10)`` normalised an 8 x 8
+    factor to trace 10 (a user's hunt, 2026-12-04)."""
+    target, d = target64, structure.d
+    rows = target.asarray(np.random.default_rng(0).standard_normal((d + 2, 3)))
+    A = structure.identity(target.xp, (), rows.dtype, fl._device(rows))
+    for call in (lambda: structure.update(A, rows, 3, 0.5, 1e-3, 1.0), lambda: structure.left(A, rows),
+                 lambda: structure.right(target.xp.matrix_transpose(rows), A)):
+        with pytest.raises(ValueError, match="shape"):
+            call()
+    wider = FullFactor(d + 2) if isinstance(structure, FullFactor) else BlockDiagonalFactor(d + 2, 4)
+    with pytest.raises(ValueError, match="the factor must have shape"):
+        wider.update(A, target.asarray(np.ones((d + 2, 3))), 3, 0.5, 1e-3, 1.0)
+
+
+@pytest.mark.parametrize("structure", [FullFactor(4), BlockDiagonalFactor(6, 4)], ids=repr)
+def test_a_narrower_data_term_is_widened_and_an_integer_one_refused(structure) -> None:
+    """A float16 ``X`` in a float32 factor: the Gram product is formed in float32, bit for bit the update
+    of ``X`` cast first (``X X^T`` of entries near 100 overflowed float16's 65504 to NaN); an integer ``X``
+    is a ``TypeError`` (NumPy made a float64 factor, torch and JAX float32; a user's hunt, 2026-12-04)."""
+    checked = []
+    for target in (t for t in targets(dtypes=["float32"]) if t.available and hasattr(t.xp, "float16")):
+        xp, d = target.xp, structure.d
+        X = target.asarray(np.random.default_rng(0).standard_normal((d, 16)) * 100)
+        A = structure.identity(xp, (), xp.float32, fl._device(X))
+        X16 = xp.astype(X, xp.float16)
+        widened = structure.update(A, X16, 16, 0.5, 1e-3, 1.0)
+        cast_first = structure.update(A, xp.astype(X16, xp.float32), 16, 0.5, 1e-3, 1.0)
+        for got, want in zip(structure.parts(widened), structure.parts(cast_first)):
+            assert got.dtype == xp.float32 and np.array_equal(to_numpy(got), to_numpy(want))
+            assert np.isfinite(to_numpy(got)).all()
+        with pytest.raises(TypeError, match="real floating"):
+            structure.update(A, xp.astype(X, xp.int32), 16, 0.5, 1e-3, 1.0)
+        checked.append(target.backend)
+    assert "numpy" in checked and "torch" in checked
+
+
+def test_the_products_refuse_two_libraries() -> None:
+    """``left`` of a torch root and a NumPy ``X`` returned a torch tensor (torch's ``@`` takes NumPy)."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="Multiple namespaces"):
+        FullFactor(3).left(torch.eye(3, dtype=torch.float64), np.eye(3))
+
+
 def test_a_blocked_state_fed_to_the_wrong_optimizer_is_refused() -> None:
     W = np.zeros((9, 6))
     state = FISMO(block_size=4).init(W)
