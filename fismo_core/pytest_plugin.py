@@ -11,7 +11,9 @@ or for one run with ``pytest -p fismo_core.pytest_plugin``. It provides
   whose library or device is missing is *skipped* with the reason, so the
   CUDA rows show up as skips on a machine without a GPU;
 - ``array_target64``: the float64 targets only;
-- ``array_xp``: the array namespace of ``array_target``;
+- ``array_xp``: the array namespace of ``array_target`` (a test uses
+  ``array_target`` or ``array_target64``, not both: with ``array_target64``
+  take ``array_target64.xp``; the pair is refused at collection);
 - the marker ``@pytest.mark.array_targets(backends=[...], dtypes=[...])``,
   which narrows ``array_target`` (and ``array_target64``) for one test.
 
@@ -107,6 +109,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             raise TypeError(f"the {_MARKER} marker of {metafunc.definition.nodeid} narrows the array_target "
                             "fixtures, and the test uses neither array_target nor array_target64")
         return
+    if len(used) > 1:  # array_xp brings array_target in
+        raise TypeError(f"{metafunc.definition.nodeid} uses both array_target (or array_xp, its namespace) and "
+                        "array_target64: each is parametrized on its own, so the test would run on every pair, "
+                        "most of them two different targets; use one, and array_target64.xp for its namespace")
     backends, dtypes = _selection(metafunc)
     for name in used:
         only = _FIXTURES[name]

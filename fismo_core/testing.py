@@ -27,6 +27,7 @@ import contextlib
 import functools
 import importlib
 import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -85,8 +86,8 @@ class Target:
     device: str
     dtype: str
     reason: Optional[str] = None
-    _namespace: Callable[[], Any] = field(default=lambda: None, repr=False, compare=False)
-    _asarray: Callable[[Any, str], Any] = field(default=lambda a, d: None, repr=False, compare=False)
+    _namespace: Callable[[], Any] = field(default=lambda: _not_listed(), repr=False, compare=False)
+    _asarray: Callable[[Any, str], Any] = field(default=lambda a, d: _not_listed(), repr=False, compare=False)
     _settings: Callable[[], contextlib.AbstractContextManager[Any]] = field(
         default=contextlib.nullcontext, repr=False, compare=False)
 
@@ -100,7 +101,11 @@ class Target:
 
     @property
     def xp(self) -> Any:
-        """The array namespace (through array-api-compat where the library needs it)."""
+        """The array namespace (through array-api-compat where the library needs it).
+
+        An unavailable target raises a ``RuntimeError`` with its `reason` (it returned ``None``, or
+        failed on an attribute of ``None``)."""
+        self._check_available()
         return self._namespace()
 
     @property
@@ -112,8 +117,14 @@ class Target:
 
         Always a copy: NumPy, array-api-strict and torch on the CPU could otherwise share the caller's
         memory, and a routine that writes into its input would change the caller's data (and the next
-        test's)."""
+        test's). An unavailable target raises a ``RuntimeError`` with its `reason`."""
+        self._check_available()
         return self._asarray(a, self.dtype)
+
+    def _check_available(self) -> None:
+        if self.reason is not None:
+            raise RuntimeError(f"target {self.id} is not available: {self.reason} (check Target.available, "
+                               "or skip with pytest.skip(target.reason))")
 
     @contextlib.contextmanager
     def configured(self) -> Iterator[None]:
@@ -129,6 +140,12 @@ class Target:
         """
         with full_float32_matmuls(), self._settings():
             yield
+
+
+def _not_listed() -> Any:
+    """What a `Target` built by hand, not by `targets`, does when asked for arrays: it has no library."""
+    raise RuntimeError("a Target built by hand has no library to make arrays with: take it from "
+                       "fismo_core.testing.targets()")
 
 
 def to_numpy(x: Any) -> Any:
@@ -234,6 +251,10 @@ def _torch_settings(torch: Any) -> dict[str, Any]:
         settings["precision"] = torch.get_float32_matmul_precision()
     except RuntimeError:  # the program set the new API: the older reading refuses, and is not restored
         pass
+    try:
+        settings["cudnn"] = torch.backends.cudnn.allow_tf32
+    except RuntimeError:  # likewise
+        pass
     return settings
 
 
@@ -241,9 +262,11 @@ def _pin_torch(torch: Any) -> None:
     """TF32 (and bfloat16) off for float32 in every torch operation that has the switch."""
     torch.set_float32_matmul_precision("highest")  # in both APIs: keeps torch's older reading consistent
     leaves = _torch_fp32_leaves(torch)
-    if not leaves:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    # Also through the older API, first: torch keeps its cuDNN flag beside the newer settings, and reading
+    # torch.backends.cudnn.allow_tf32 raised inside the block where the two disagreed (a user's routine that
+    # read it failed even on a NumPy-only check; a user's hunt, 2026-12-04).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     for holder in leaves.values():
         holder.fp32_precision = "ieee"
 
@@ -255,6 +278,7 @@ def _restore_torch(torch: Any, settings: Mapping[str, Any]) -> None:
     leaves = _torch_fp32_leaves(torch)
     if not leaves:
         torch.backends.cuda.matmul.allow_tf32 = settings["cuda"]
+    if "cudnn" in settings:  # before the newer settings, which the older setter overwrites
         torch.backends.cudnn.allow_tf32 = settings["cudnn"]
     for path, holder in leaves.items():
         holder.fp32_precision = settings[path]
@@ -460,7 +484,7 @@ def targets(*, backends: Optional[Iterable[str]] = None, dtypes: Optional[Iterab
         if isinstance(value, str):
             raise TypeError(f"{name} must be a list of names, not the string {value!r}: {name}=[{value!r}]")
     makers = _TARGET_MAKERS
-    chosen = list(makers) if backends is None else list(backends)
+    chosen = list(makers) if backends is None else list(dict.fromkeys(backends))  # a repeat would run twice
     wanted = None if dtypes is None else set(dtypes)
     for name in chosen:
         if name not in makers:
@@ -486,7 +510,7 @@ _all_targets = targets  # for check_backends, whose ``targets`` argument shadows
 
 
 def reference_gradients(shape: Sequence[int], steps: int, *, seed: int = 0) -> list[Any]:
-    """A seeded, NumPy float64 sequence of ``steps`` gradients of ``shape``.
+    """A seeded, NumPy float64 sequence of ``steps`` gradients of ``shape`` (``(..., m, n)``, two sizes at least).
 
     The gradients have anisotropic row and column scales (spread 0.3 to 3) and
     a slowly drifting low-rank signal plus noise, so that ``P`` and ``Q`` move
@@ -494,6 +518,13 @@ def reference_gradients(shape: Sequence[int], steps: int, *, seed: int = 0) -> l
     """
     import numpy as np
 
+    from .linalg import _check_integer
+
+    if isinstance(shape, numbers.Integral) or len(shape) < 2:
+        raise ValueError(f"shape must have at least two dimensions, (..., m, n), got {shape!r}")
+    for side in shape:
+        _check_integer("each size of shape", side, minimum=0)
+    _check_integer("steps", steps, minimum=0)
     rng = np.random.default_rng(seed)
     *batch, m, n = shape
     row_scale = np.geomspace(0.3, 3.0, m)[rng.permutation(m)][:, None]
@@ -527,7 +558,10 @@ def run_trajectory(
 def max_relative_error(got: Any, reference: Any) -> float:
     """``||got - reference||_F / ||reference||_F``, per matrix over the last two axes and worst over a batch.
 
-    Either may be an array of any supported backend (read through `to_numpy`), or nested lists.
+    Either may be an array of any supported backend (read through `to_numpy`), or nested lists
+    of numbers; a list or tuple of arrays is a ``TypeError`` (stacked, several outputs were judged
+    as one: a 50 % error of one vector hid behind a large other). Integer and boolean arrays are
+    compared from their exact difference (through float64, ``2**53 + 1`` equalled ``2**53``).
     Arrays of fewer than two dimensions are compared as one vector. A zero
     reference makes the error absolute; a NaN or infinity of ``got`` is
     ``inf`` unless the reference has the same one in the same place (as
@@ -538,10 +572,24 @@ def max_relative_error(got: Any, reference: Any) -> float:
 
     # Nested lists pass through NumPy; an array of any backend through `to_numpy` (a torch reference that
     # requires grad, or is bfloat16, was refused by NumPy).
-    got, reference = (to_numpy(np.asarray(v) if isinstance(v, (list, tuple)) else v) for v in (got, reference))
-    if got.shape != reference.shape:
-        raise ValueError(f"shape {got.shape} does not match the reference's {reference.shape}")
+    for value in (got, reference):
+        if isinstance(value, (list, tuple)) and any(_holds_an_array(v) for v in value):
+            raise TypeError("max_relative_error compares one array, got a list or tuple of arrays: compare each "
+                            "output on its own (check_backends does so for a function's outputs)")
+    host = [_host_array(np.asarray(v) if isinstance(v, (list, tuple)) else v) for v in (got, reference)]
+    if host[0].shape != host[1].shape:
+        raise ValueError(f"shape {host[0].shape} does not match the reference's {host[1].shape}")
+    if all(h.dtype.kind in "biu" for h in host):
+        return _integer_error(*host)
+    got, reference = (to_numpy(h) for h in host)
     return float(np.max(relative_errors(got, reference), initial=0.0))
+
+
+def _holds_an_array(value: Any) -> bool:
+    """Whether ``value`` is, or (a list or tuple) holds, an array rather than numbers."""
+    if isinstance(value, (list, tuple)):
+        return any(_holds_an_array(v) for v in value)
+    return hasattr(value, "shape") and hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0
 
 
 def relative_errors(got: Any, reference: Any) -> Any:
@@ -662,7 +710,7 @@ class Result:
         return f"FAIL{where}"
 
 
-class Report(list):
+class Report(list[Result]):
     """A list of `Result`, one per target, with the table and summary of ``fismo verify``."""
 
     @property
@@ -1000,10 +1048,19 @@ def check_backends(
     tolerances = TOLERANCES if tolerances is None else tolerances
     if isinstance(targets, Target):
         raise TypeError(f"targets must be a list of Target, got the Target {targets.id} alone: pass [target]")
+    if isinstance(targets, str):
+        raise TypeError(f"targets must be a list of Target, got the string {targets!r}: pass "
+                        f"targets=targets(backends=[{targets!r}])")
     chosen = _all_targets() if targets is None else list(targets)
     for t in chosen:
+        if not isinstance(t, Target):
+            raise TypeError(f"targets must be a list of Target, got {t!r} among them: pass "
+                            "targets=fismo_core.testing.targets(backends=[...]) to choose by name")
         if t.dtype not in tolerances:
             raise ValueError(f"no tolerance for dtype {t.dtype!r} in {dict(tolerances)}")
+    for dtype, tolerance in dict(tolerances).items():
+        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not tolerance >= 0:
+            raise ValueError(f"tolerances[{dtype!r}] must be a number >= 0, got {tolerance!r}")
     _check_out_dtypes(out_dtypes)
 
     def inexact(value: Any) -> bool:
@@ -1041,9 +1098,16 @@ def check_backends(
         a, k, _ = convert(lambda v, d: np.array(v, dtype=d, copy=True), "float64")
         reference = _flatten(fn(*a, **k))
         for name, value in reference.items():
-            if not (value is None or type(value) in _PYTHON_NUMBERS or isinstance(value, (np.ndarray, np.generic))):
-                raise ValueError(f"fn returned a {type(value).__qualname__} at {name} on NumPy float64: "
-                                 "check_backends compares arrays, Python numbers and None")
+            numeric = isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc"
+            if not (value is None or type(value) in _PYTHON_NUMBERS or numeric):
+                kind = (f"an array of dtype {value.dtype}" if isinstance(value, (np.ndarray, np.generic))
+                        else f"a {type(value).__qualname__}")
+                raise ValueError(f"fn returned {kind} at {name} on NumPy float64: check_backends compares "
+                                 "numeric arrays, Python numbers and None")
+        if all(value is None for value in reference.values()):
+            raise ValueError("fn returned nothing to compare on NumPy float64 (None, or an empty tuple or dict): "
+                             "a function that writes into its input must return it, so that its result is "
+                             "compared")
         reference64 = {name: to_numpy(v) for name, v in reference.items() if v is not None}
         declared = _declared_dtypes(out_dtypes, reference)
         for t in chosen:

@@ -720,6 +720,7 @@ def verify(
         if reference is None:
             reference = Reference.compute(optimizer, chosen, steps=steps, seed=seed)
         jax_results = None
+        pending: list[int] = []  # the rows the JAX worker answers
         if pool is not None:
             try:
                 jax_results = pool.submit(_jax_worker, optimizer, jax_ids, reference)
@@ -735,7 +736,8 @@ def verify(
                     report.append(Result(target, math.inf, target.tolerance,
                                          exception=f"{type(exc).__name__}: {exc}", steps=reference.steps))
             else:
-                report.append(target)  # placeholder, filled in below
+                pending.append(len(report))  # filled in below, from the JAX worker's answer
+                report.append(Result(target, None, target.tolerance))
         if jax_results is not None:
             try:
                 done = dict(zip(jax_ids, jax_results.result()))
@@ -745,9 +747,8 @@ def verify(
                     if t.id in jax_ids:
                         r = _verify_target(optimizer, t, reference)
                         done[t.id] = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "target"}
-            for i, item in enumerate(report):
-                if isinstance(item, Target):
-                    report[i] = Result(item, **done[item.id])
+            for i in pending:
+                report[i] = Result(report[i].target, **done[report[i].target.id])
     report.reference = reference  # type: ignore[attr-defined]
     return report
 

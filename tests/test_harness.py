@@ -31,6 +31,7 @@ from fismo_core.testing import (
     check_backends,
     full_float32_matmuls,
     max_relative_error,
+    reference_gradients,
     targets,
     to_numpy,
 )
@@ -641,6 +642,117 @@ def test_bad_arguments_are_refused_before_fn_runs() -> None:
         check_backends(f, X, targets=NUMPY, out_dtypes={"output[3]": "float64"})
     with pytest.raises(ValueError, match="fn returned a str at output on NumPy float64"):
         check_backends(lambda x: "x", X, targets=NUMPY)
+
+
+def test_what_the_harness_cannot_judge_is_refused_before_any_target_runs() -> None:
+    """From a user's hunt (2026-12-04): targets given by name failed with ``'str' object has no attribute
+    'dtype'``; a NaN or negative tolerance failed exact rows with no reason; a function that returns
+    nothing (one that writes into its input) passed every row, even one wrong on a backend; a string,
+    object or datetime output failed with a raw conversion error or a HarnessError blaming a target."""
+    calls = []
+
+    def f(x: Any) -> Any:
+        calls.append(x)
+        return x
+
+    for bad in (["numpy", "torch"], "numpy"):
+        with pytest.raises(TypeError, match=r"targets must be a list of Target.*targets\(backends=\["):
+            check_backends(f, X, targets=bad)
+    for tolerance in (math.nan, -1.0, "1e-4", True, None):
+        with pytest.raises(ValueError, match=r"tolerances\['float32'\] must be a number >= 0"):
+            check_backends(f, X, targets=NUMPY, tolerances={"float64": 1e-10, "float32": tolerance})
+    assert calls == []
+    for nothing in (lambda x: None, lambda x: (), lambda x: {}):
+        with pytest.raises(ValueError, match="fn returned nothing to compare"):
+            check_backends(nothing, X, targets=NUMPY)
+    for output, kind in ((np.array(["a", "b"]), "<U1"), (np.array([None, 1]), "object"),
+                         (np.array(["2026-12-04"], dtype="datetime64[D]"), "datetime64")):
+        with pytest.raises(ValueError, match=f"fn returned an array of dtype {kind}.*compares numeric arrays"):
+            check_backends(lambda x, out=output: out, X, targets=NUMPY)
+
+
+def test_an_in_place_function_that_returns_its_input_is_judged() -> None:
+    """The refusal above says how: return the input. Then a backend that writes the wrong values fails."""
+    def scale_(v: Any) -> Any:
+        xp = array_namespace(v)
+        v[...] = 0.0 if "torch" in xp.__name__ else 2 * v
+        return v
+
+    report = check_backends(scale_, X, targets=[t for t in AVAILABLE if t.backend in ("numpy", "torch")])
+    assert {r.target.backend for r in report.failed} == {"torch"} and len(report.ran) > len(report.failed)
+
+
+def test_an_unavailable_or_hand_built_target_raises_with_its_reason() -> None:
+    """``asarray`` and ``xp`` of an unavailable target returned ``None`` (or raised about an attribute of
+    ``None``, CuPy's); a ``Target`` built by hand returned ``None`` (a user's hunt, 2026-12-04)."""
+    missing = Target("jax", "cpu", "float64", reason="jax is not installed (pip install jax)")
+    for use in (lambda: missing.xp, lambda: missing.asarray(np.ones(2))):
+        with pytest.raises(RuntimeError, match=r"target jax-cpu-float64 is not available: jax is not installed"):
+            use()
+    by_hand = Target("numpy", "cpu", "float64")
+    for use in (lambda: by_hand.xp, lambda: by_hand.asarray(np.ones(2))):
+        with pytest.raises(RuntimeError, match="a Target built by hand has no library"):
+            use()
+    for target in targets():
+        if not target.available:
+            with pytest.raises(RuntimeError, match="is not available"):
+                target.asarray(np.ones(2))
+
+
+def test_targets_run_a_backend_named_twice_once() -> None:
+    assert [t.id for t in targets(backends=["numpy", "numpy"])] == [t.id for t in targets(backends=["numpy"])]
+
+
+def test_max_relative_error_refuses_several_outputs_and_compares_integers_exactly() -> None:
+    """A tuple of vectors was stacked into one matrix: a 50 % error of one hid behind the other's 1e6; and
+    integers beyond 2**53 compared equal through float64 (a user's hunt, 2026-12-04)."""
+    got, ref = (np.full(3, 1e6), np.ones(3)), (np.full(3, 1e6), np.full(3, 2.0))
+    with pytest.raises(TypeError, match="got a list or tuple of arrays"):
+        max_relative_error(got, ref)
+    assert max_relative_error(got[1], ref[1]) == pytest.approx(0.5)
+    assert max_relative_error(np.array([2**53 + 1]), np.array([2**53])) == pytest.approx(2.0**-53)
+    assert max_relative_error(np.array([2**64 - 1], np.uint64), np.array([2**64 - 2], np.uint64)) > 0
+    assert max_relative_error(np.array([True, False]), np.array([True, False])) == 0.0
+    assert max_relative_error([[0.0, 1.0]], [[0.0, 1.0]]) == 0.0  # nested lists of numbers still go
+
+
+@pytest.mark.parametrize("shape", [(5,), 5, (), (3, -1), (2.5, 3)])
+def test_reference_gradients_refuses_a_shape_of_fewer_than_two_sizes(shape: Any) -> None:
+    with pytest.raises(ValueError, match="shape must have at least two dimensions|each size of shape"):
+        reference_gradients(shape, 2)
+
+
+def test_a_routine_that_reads_torchs_older_cudnn_flag_runs_under_the_harness() -> None:
+    """Inside the harness torch's ``cudnn.allow_tf32`` raised ("a mix of the legacy and new APIs"): the
+    harness set the newer settings only, and a routine that read the older flag failed even on a
+    NumPy-only check (a user's hunt, 2026-12-04). A fresh process: the default state of the flags."""
+    pytest.importorskip("torch")
+    script = (
+        "import numpy as np, torch\n"
+        "from fismo_core.testing import check_backends, targets\n"
+        "before = torch.backends.cudnn.allow_tf32\n"
+        "seen = []\n"
+        "def f(x):\n"
+        "    seen.append(torch.backends.cudnn.allow_tf32)\n"
+        "    return x * 2\n"
+        "report = check_backends(f, np.ones(3), targets=targets(backends=['numpy', 'torch']))\n"
+        "print(before, set(seen), torch.backends.cudnn.allow_tf32, report.ok)\n"
+    )
+    assert _fresh_process(script).split() == ["True", "{False}", "True", "True"]
+
+
+def test_plugin_refuses_array_xp_beside_array_target64(pytester: pytest.Pytester) -> None:
+    """Both fixtures are parametrized on their own: the test ran on every pair, 72 of them with torch's
+    target beside JAX's namespace (a user's hunt, 2026-12-04)."""
+    pytester.makepyfile(
+        """
+        def test_both(array_target64, array_xp):
+            assert array_xp is array_target64.xp
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "fismo_core.pytest_plugin", "-q")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*uses both array_target (or array_xp, its namespace) and array_target64*"])
 
 
 # ------------------------------------------- the harness's errors are not the function's
