@@ -28,16 +28,29 @@ class StagedFiles:
     """Files written as ``.NAME.part`` beside their names and renamed over them once every one is written
     (`staged_files`): a write that fails (a full disk, Ctrl-C, a folder in a file's place) leaves the
     directory as it was, not a truncated file (``fismo verify --save`` truncated the reference it replaced)
-    nor half of a set (``fismo demo``'s report; users' hunts, 2026-12-03)."""
+    nor half of a set (``fismo demo``'s report; users' hunts, 2026-12-03).
+
+    A name that is a symbolic link is written through it: the file it points to is replaced, the link
+    stays. A name that exists and is not a regular file (a device such as ``/dev/null``, a pipe) is a
+    `NotARegularFileError` before anything is written: the rename replaced the link, or the device node,
+    with a file (a user's hunt, 2026-12-04)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.parts: dict[str, Path] = {}
+        self.parts: dict[Path, Path] = {}
 
     def __call__(self, name: str) -> Path:
         """Where to write file ``name`` for now."""
-        self.parts[name] = self.directory / f".{name}.part"
-        return self.parts[name]
+        target = (self.directory / name).resolve()  # through symbolic links, to the file they name
+        if target.exists() and not target.is_file():
+            raise NotARegularFileError(f"cannot write {self.directory / name}: it exists and is not a regular file")
+        part = target.parent / f".{target.name}.part"
+        self.parts[target] = part
+        return part
+
+
+class NotARegularFileError(OSError):
+    """An output name that exists as something else than a regular file (a device, a pipe, a directory)."""
 
 
 @contextlib.contextmanager
@@ -47,8 +60,8 @@ def staged_files(directory: Union[str, Path]) -> Iterator[StagedFiles]:
     staged = StagedFiles(Path(directory))
     try:
         yield staged
-        for name, part in staged.parts.items():
-            os.replace(part, staged.directory / name)
+        for target, part in staged.parts.items():
+            os.replace(part, target)
     except BaseException:
         for part in staged.parts.values():
             part.unlink(missing_ok=True)

@@ -70,7 +70,9 @@ INTERRUPTED = 130
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``fismo``: parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # in the command's usage, as its other errors ("fismo verify extra" printed the top level's)
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _run(args, argv)
     except KeyboardInterrupt:  # one line, not a traceback; nothing is half-written (verify's --save, the report)

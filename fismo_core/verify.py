@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import time
+import tokenize
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -493,7 +494,11 @@ class Reference:
         except ReferenceFileError:
             raise
         # NotImplementedError: zipfile's answer to a flipped compression method or version in the zip directory.
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError) as exc:
+        # An array's damaged header: a shape too large to allocate (MemoryError) or to count (OverflowError),
+        # or one that does not parse (tokenize.TokenError, SyntaxError); each was a traceback and exit 1,
+        # which CI reads as a failed backend (a user's hunt, 2026-12-04).
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, MemoryError,
+                OverflowError, SyntaxError, tokenize.TokenError) as exc:
             raise ReferenceFileError(f"{path} is damaged: {type(exc).__name__}: {exc}") from exc
         described = None if version == 1 else {key: manifest[key] for key in DESCRIBING}
         if _checksum(arrays, described) != checksum:
@@ -795,6 +800,9 @@ def main(
         return 2
     if save is not None and Path(save).is_dir():  # refused before the run, not after it
         print(f"fismo verify: cannot write {save}: it is a directory (give a file name, e.g. {Path(save) / 'reference.npz'})", file=err)
+        return 2
+    if save is not None and Path(save).exists() and not Path(save).is_file():  # a device: it was replaced
+        print(f"fismo verify: cannot write {save}: it exists and is not a regular file", file=err)
         return 2
     if parent is not None and (reason := cannot_write_in(parent)) is not None:
         print(f"fismo verify: cannot write {save}: {reason} in {parent}", file=err)

@@ -39,6 +39,8 @@ def refused(script: str, *args: str) -> str:
 CASES = [
     # scaling_study.py (the paths under tmp_path: below)
     ("scaling_study", ["--pilot-steps", "0", "--estimate-only"], f"argument --pilot-steps: {POSITIVE} 0"),
+    # gpu_checks.py: a file as --out failed after every stage (FileExistsError; a user's hunt, 2026-12-04)
+    ("gpu_checks", ["--quick", "--out", "README.md"], "argument --out: README.md is not a directory"),
     # performance.py
     ("performance", ["--only", "threads", "--repeats", "0"], f"argument --repeats: {POSITIVE} 0"),
     ("performance", ["--only", "memory", "--threads", "-1"], f"argument --threads: {POSITIVE} -1"),
@@ -182,3 +184,18 @@ def test_a_model_whose_every_step_was_skipped_stores_nothing(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert "<!-- llama-2048x5504 on cpu: nothing stored, the float32 Muon step was skipped -->" in out
     assert store.read_text() == '{"gpt2-2layers/cpu": {}}\n'
+
+
+def test_the_performance_pages_model_tables_are_the_stores(monkeypatch, capsys):
+    """The page's tables between its ``models-tables`` markers are what ``--only models --tables`` prints from
+    the tracked store: they had lost the FISMO-T rows and kept an older run's Muon rows, while the plot
+    beside them had both (a user's hunt, 2026-12-04)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import performance
+
+    performance.print_model_tables("cpu", STORE)
+    printed = capsys.readouterr().out
+    tables = printed[printed.index("**gpt2-2layers**"):].strip()
+    page = (ROOT / "docs" / "performance.md").read_text()
+    start, end = "<!-- models-tables:start -->", "<!-- models-tables:end -->"
+    assert page[page.index(start) + len(start):page.index(end)].strip() == tables

@@ -70,6 +70,25 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ------------------------------------------------------------------ streams
+def test_recording_writes_the_name_given_and_checks_against_it(tmp_path: Path, capsys) -> None:
+    """``record_gradients --out copy`` (no ``.npz``) wrote ``copy.npz`` and then failed to read ``copy``, and
+    ``--check`` against a missing file was a traceback after recording (a user's hunt, 2026-12-04)."""
+    from fismo_core.data import record_gradients
+
+    copy = tmp_path / "copy"
+    assert record_gradients.main(["--out", str(copy)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+    capsys.readouterr()
+    assert record_gradients.main(["--check", "--out", str(copy)]) == 0
+    assert capsys.readouterr().out.strip() == f"largest difference from {copy}: 0.000e+00"
+    for args, message in ((["--check", "--out", str(tmp_path / "nothere.npz")], "which is not a file"),
+                          (["--out", str(tmp_path / "no" / "x.npz")], "its directory does not exist"),
+                          (["--out", str(tmp_path)], "it is a directory")):
+        with pytest.raises(SystemExit) as exit_info:
+            record_gradients.main(args)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_recorded_streams_are_real_and_rank_deficient_where_promised() -> None:
     streams = {s.name: s for s in recorded_streams()}
     assert set(streams) == RECORDED
@@ -442,6 +461,50 @@ def test_a_flipped_zip_directory_is_refused_as_damaged(saved: Path, tmp_path: Pa
     _refused(bad, capsys, "is damaged: NotImplementedError")
 
 
+def _with_array_header(saved: Path, out: Path, header: bytes) -> Path:
+    """``saved`` with one array's ``.npy`` member replaced by ``header`` (and a few bytes of data)."""
+    with zipfile.ZipFile(saved) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    key = next(name for name in members if name.endswith("/W0.npy"))
+    members[key] = header + bytes(64)
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return out
+
+
+@pytest.mark.parametrize("shape", ["(100000000000,)", "(10**30,)", "(1000000000000000000000000000000,)", "(3,"])
+def test_an_array_header_that_cannot_be_read_is_refused_as_damaged(saved: Path, tmp_path: Path, capsys,
+                                                                   shape: str) -> None:
+    """A damaged array header claiming 10**11 entries (``MemoryError``: 745 GiB), 10**30 (``OverflowError``)
+    or that does not parse (``tokenize.TokenError``, ``SyntaxError``; a single flipped bit of a real file
+    gave it) was a traceback and exit 1, read by CI as a failed backend (a user's hunt, 2026-12-04)."""
+    text = "{'descr': '<f8', 'fortran_order': False, 'shape': " + shape + ", }"
+    body = text.encode("latin1")
+    body += b" " * (63 - (10 + len(body)) % 64) + b"\n"
+    header = np.lib.format.magic(1, 0) + len(body).to_bytes(2, "little") + body
+    _refused(_with_array_header(saved, tmp_path / "header.npz", header), capsys, "is damaged")
+
+
+def test_save_onto_a_device_or_through_a_link(saved: Path, tmp_path: Path, capsys) -> None:
+    """``--save`` onto a name that is not a regular file replaced it with one (as root, ``/dev/null``), and
+    onto a symbolic link replaced the link; now a device or pipe is refused before the run, and a link is
+    written through (a user's hunt, 2026-12-04)."""
+    pipe = tmp_path / "pipe.npz"
+    os.mkfifo(pipe)
+    assert cli_main(["verify", "--steps", "1", "--save", str(pipe)]) == 2
+    assert "it exists and is not a regular file" in capsys.readouterr().err
+    with pytest.raises(OSError, match="not a regular file"):
+        Reference.load(saved).save(pipe)
+    assert pipe.is_fifo()
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.npz"
+    link.symlink_to(tmp_path / "real" / "reference.npz")
+    checksum = Reference.load(saved).save(link)
+    assert link.is_symlink() and Reference.load(tmp_path / "real" / "reference.npz").checksum == checksum
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["reference.npz"]
+
+
 def test_refuses_another_format_version(saved: Path, tmp_path: Path, capsys) -> None:
     path = _rewrite(saved, tmp_path / "v3.npz", edit_manifest=lambda m: m.update(format_version=3))
     _refused(path, capsys, r"has reference format version 3; fismo .* reads versions 1 and 2")
@@ -804,7 +867,9 @@ def test_cli_rejects_non_positive_steps(steps: str, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv", [["verify", "--steps", "0"], ["verify", "--seed", "-1"], ["demo", "--jobs", "0"],
-                                  ["demo", "--optimizers", "Adam"]])
+                                  ["demo", "--optimizers", "Adam"],
+                                  # an extra argument printed the top level's usage too (a user's hunt, 2026-12-04)
+                                  ["verify", "extra"], ["demo", "--quick", "--bogus"]])
 def test_a_subcommand_usage_error_prints_the_subcommand_usage(argv: list[str], capsys) -> None:
     """``fismo demo --jobs 0`` printed the top level's ``usage: fismo [-h] [--version] {verify,demo} ...``,
     which names none of the option at fault (a user's hunt, 2026-12-03)."""

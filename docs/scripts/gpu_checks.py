@@ -680,7 +680,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--stages", help="comma-separated stage names or numbers: "
                         + ", ".join(f"{i} {s.name}" for i, s in enumerate(STAGES, 1)) + " (default: all)")
     parser.add_argument("--quick", action="store_true", help="shorter runs: fewer steps, repeats, models")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="logs and summary.json (default: %(default)s)")
+    sys.path.insert(0, str(ROOT / "docs" / "scripts"))
+    from _arguments import output_dir  # a file in --out's place is a usage error before the stages, not after
+
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help="logs and summary.json (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         stages = pick_stages(args.stages)

@@ -133,7 +133,8 @@ def _stack(tensors: list[Any]) -> np.ndarray:
 
 def write(path: Path) -> None:
     arrays, manifest = record()
-    np.savez_compressed(path, manifest=np.array(json.dumps(manifest, sort_keys=True)), **arrays)
+    with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name without it
+        np.savez_compressed(f, manifest=np.array(json.dumps(manifest, sort_keys=True)), **arrays)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).with_name(GRADIENTS_FILE)), help="output file")
     parser.add_argument("--check", action="store_true", help="record again and compare with --out instead of writing")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.check and not out.is_file():  # a traceback after recording (a user's hunt, 2026-12-04)
+        parser.error(f"--check compares with --out {args.out}, which is not a file")
+    if not args.check and (out.is_dir() or not out.parent.is_dir()):
+        parser.error(f"--out {args.out}: {'it is a directory' if out.is_dir() else 'its directory does not exist'}")
     if args.check:
         arrays, _ = record()
         with np.load(args.out, allow_pickle=False) as shipped:

@@ -689,7 +689,7 @@ def _write_report(results: DemoResults, out: Path, command: str, staged: StagedF
         "# fismo demo results",
         "",
         f"Command: `{command}` (preset {results.config.preset!r})  ",
-        f"Wall time: {_minutes(results.seconds)} ({results.config.jobs} parallel jobs{load}); "
+        f"Wall time: {_minutes(results.seconds)} ({results.config.jobs} parallel job{'s' * (results.config.jobs != 1)}{load}); "
         f"CPU time {results.cpu_seconds:.0f} s"
         + (f"; {results.reused} runs reused from the journal" if results.reused else "") + "  ",
         f"{len(results.runs)} runs; their own CPU time adds up to {sum(r.cpu_seconds for r in results.runs):.0f} s "
@@ -718,7 +718,7 @@ def _write_report(results: DemoResults, out: Path, command: str, staged: StagedF
             "",
             f"## {title}",
             "",
-            f"{plan.task.describe()}; {plan.steps} steps, warm-up {plan.warmup} step{'s' * (plan.warmup != 1)} then cosine to 10 % of the lr; "
+            f"{plan.task.describe()}; {plan.steps} step{'s' * (plan.steps != 1)}, warm-up {plan.warmup} step{'s' * (plan.warmup != 1)} then cosine to 10 % of the lr; "
             f"AdamW lr {plan.adamw_lr:g} for the non-matrix parameters of FISMO and Muon.",
             "",
             "Selected learning rate of each optimizer, final numbers over seeds (mean ± std):",
