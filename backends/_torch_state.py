@@ -699,6 +699,12 @@ def check_grads(param_groups: list, process_group: Any = None) -> GradientChecks
                     raise TypeError(f"{name} has a non-floating gradient ({g.dtype})")
                 if tuple(g.shape) != tuple(p.shape):
                     raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}")
+                if is_dtensor(p) and is_dtensor(g) and tuple(g.placements) != tuple(p.placements):
+                    # A Replicate() matrix's Partial(sum) gradient (data parallelism through DTensor): each
+                    # rank stepped on its own partial sum and the replicas parted, 0.2-0.5 off the single
+                    # process (a user's hunt, 2026-12-04). The gradient is laid out as its parameter, one
+                    # collective, as torch.optim's DTensor arithmetic does implicitly; p.grad then holds it.
+                    p.grad = g.redistribute(p.device_mesh, p.placements)
             elif tuple(g.shape) != tuple(p.shape):  # torch.optim.AdamW raised (or broadcast), after the FISMO groups
                 raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}; nothing was "
                                  "stepped")
