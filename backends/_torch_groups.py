@@ -159,6 +159,12 @@ def _stored_as_checked(group: dict) -> bool:
     no host read.)"""
     lr = group["lr"]
     return (all(type(group[name]) is float for name in ("gamma", "mu", "weight_decay"))
+            # The settings an equal value of another type would pass unchecked (True == 1, 10.0 == 10 hash alike
+            # in the core key): every=10.0 set after a step with 10 reused that core, and the state_dict saved
+            # after it was refused at load (a user's hunt, 2026-12-04).
+            and all(type(group[setting][name]) in types for (setting, name), types in _STORED_TYPES.items())
+            and type(group["nesterov"]) is bool
+            and type(group.get("block_size")) in (int, type(None))
             # Coefficients written as lists ([[a, b, c]]) are stored as tuples, as the constructor stores them:
             # the key is hashed (the step raised "unhashable type: 'list'", and compiled, an AssertionError).
             and all(_stored_coefficients(group[name]["coefficients"]) for name in ("polar", "inv_root"))
@@ -166,6 +172,14 @@ def _stored_as_checked(group: dict) -> bool:
             and 0.0 <= group["weight_decay"] < math.inf
             and (_one_real_number(lr) if isinstance(lr, torch.Tensor) else _is_number(lr) and 0.0 <= lr < math.inf)
             and group["adjust_lr_fn"] in ADJUST_LR_FNS)
+
+
+_STORED_TYPES = {
+    ("polar", "steps"): (int,), ("polar", "eps"): (float,), ("polar", "rtol"): (float, type(None)),
+    ("inv_root", "steps"): (int, type(None)), ("inv_root", "fallback"): (bool, type(None)),
+    ("inv_root", "max_failures"): (int,), ("inv_root", "tolerance"): (float,), ("inv_root", "every"): (int,),
+}
+"""The types the constructor stores for the numeric settings of ``polar`` and ``inv_root`` (`_stored_as_checked`)."""
 
 
 def _one_real_number(t: torch.Tensor) -> bool:

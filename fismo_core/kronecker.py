@@ -118,7 +118,7 @@ def _product(a: Array, b: Array, matmul_dtype: Optional[str]) -> Array:
         return a @ b
     from .linalg import _resolve_dtype  # the polar's dtype names, resolved in a's library
 
-    dtype = _resolve_dtype(xp, matmul_dtype)
+    dtype = _resolve_dtype(xp, matmul_dtype, "inverse-root matmul_dtype")
     return xp.astype(xp.astype(a, dtype, copy=False) @ xp.astype(b, dtype, copy=False), a.dtype, copy=False)
 
 
@@ -129,7 +129,7 @@ def _gram(X: Array, matmul_dtype: Optional[str]) -> Array:
         return X @ xp.matrix_transpose(X)
     from .linalg import _resolve_dtype
 
-    low = xp.astype(X, _resolve_dtype(xp, matmul_dtype), copy=False)
+    low = xp.astype(X, _resolve_dtype(xp, matmul_dtype, "inverse-root matmul_dtype"), copy=False)
     return xp.astype(low @ xp.matrix_transpose(low), X.dtype, copy=False)
 
 

@@ -643,8 +643,11 @@ def _check_rtol(rtol: Any) -> Optional[float]:
     return value
 
 
-def _resolve_dtype(xp: Any, dtype: Any) -> Any:
-    """``dtype`` (a name in `POLAR_DTYPE_NAMES` or a real floating dtype of ``xp``) as a dtype of ``xp``."""
+def _resolve_dtype(xp: Any, dtype: Any, option: str = "dtype") -> Any:
+    """``dtype`` (a name in `POLAR_DTYPE_NAMES` or a real floating dtype of ``xp``) as a dtype of ``xp``.
+
+    ``option`` names the setting in the errors (``"inverse-root matmul_dtype"``: its errors read as the
+    polar's ``dtype``'s, naming neither; a user's hunt, 2026-12-04)."""
     if isinstance(dtype, str):
         if dtype not in POLAR_DTYPE_NAMES:
             raise ValueError(f"unknown iteration dtype {dtype!r}: use one of {', '.join(map(repr, POLAR_DTYPE_NAMES))} or None")
@@ -652,10 +655,10 @@ def _resolve_dtype(xp: Any, dtype: Any) -> Any:
         if resolved is None:
             library = getattr(xp, "__name__", str(xp)).replace("array_api_compat.", "")
             raise ValueError(
-                f"dtype={dtype!r}: the array library of X ({library}) has no {dtype} dtype; "
+                f"{option}={dtype!r}: the array library of X ({library}) has no {dtype} dtype; "
                 "use a dtype it has (NumPy and array-api-strict have no bfloat16), or run on torch or JAX"
             )
-        return _refuse_truncated_by_jax(xp, resolved, dtype)
+        return _refuse_truncated_by_jax(xp, resolved, dtype, option)
     try:
         ok = bool(xp.isdtype(dtype, "real floating"))
     except Exception:  # a dtype of another library, or not a dtype at all
@@ -665,10 +668,10 @@ def _resolve_dtype(xp: Any, dtype: Any) -> Any:
             f"dtype must be None, one of {', '.join(map(repr, POLAR_DTYPE_NAMES))} or a real floating dtype "
             f"of X's array library, got {dtype!r}"
         )
-    return _refuse_truncated_by_jax(xp, dtype, dtype)
+    return _refuse_truncated_by_jax(xp, dtype, dtype, option)
 
 
-def _refuse_truncated_by_jax(xp: Any, resolved: Any, asked: Any) -> Any:
+def _refuse_truncated_by_jax(xp: Any, resolved: Any, asked: Any, option: str = "dtype") -> Any:
     """``resolved``, unless JAX would run it narrower: float64 with 64-bit types off (``jax_enable_x64``) ran
     in float32, with JAX's warning at every cast (13 per step) and no word from here (a user's hunt,
     2026-12-03)."""
@@ -678,7 +681,7 @@ def _refuse_truncated_by_jax(xp: Any, resolved: Any, asked: Any) -> Any:
 
     if jax.dtypes.canonicalize_dtype(resolved) != xp.dtype(resolved):
         raise ValueError(
-            f"dtype={asked!r}: JAX runs with 64-bit types off, so it would be float32; turn them on "
+            f"{option}={asked!r}: JAX runs with 64-bit types off, so it would be float32; turn them on "
             "(jax.config.update('jax_enable_x64', True), or JAX_ENABLE_X64=1) or ask for 'float32'"
         )
     return resolved

@@ -178,7 +178,8 @@ class InverseRootConfig:
         place of ``Q_{t-1}^{-1}``, ``P_t^{-1}``), and no root is checked. A
         root that fails on a recomputation step keeps ``P_{t-1}`` with the
         root cached at the previous recomputation (with ``every = 1``: its own).
-        That is *not* Algorithm 1: default 1, every step, which is.
+        That is *not* Algorithm 1: default 1, every step, which is. At most
+        ``2**31 - 1``, as the int32 step counts it is compared with.
         The measured effect on the direction is on the documentation page
         "Performance". Deciding needs a concrete step count; under
         ``jax.jit`` pass ``refresh_roots`` to
@@ -221,6 +222,9 @@ class InverseRootConfig:
         if not isinstance(self.coefficients, str):
             object.__setattr__(self, "coefficients", tuple(tuple(map(float, t)) for t in self.coefficients))
         object.__setattr__(self, "every", linalg._check_integer("inverse-root every", self.every))
+        if self.every > _INT32_MAX:  # compared with int32 step counts: jitted updates raised OverflowError
+            raise ValueError(f"inverse-root every must be at most {_INT32_MAX} (the step counts are int32), "
+                             f"got {self.every}")
         if self.matmul_dtype is not None and self.matmul_dtype not in linalg.POLAR_DTYPE_NAMES:
             raise ValueError(
                 f"inverse-root matmul_dtype must be None (the state's dtype) or one of {list(linalg.POLAR_DTYPE_NAMES)}, "
@@ -1144,6 +1148,10 @@ class FISMO:
     ) -> Union[bool, RootSchedule]:
         """Whether this step recomputes ``P_t^{-1/2}``, ``Q_t^{-1/2}`` (`InverseRootConfig.every`): a bool, or
         a `RootSchedule` checked against the state and the policy."""
+        if isinstance(refresh_roots, RootSchedule) and type(refresh_roots.due) is bool:
+            # What is_refresh_step gives for every = 1, whatever the step counts: the docstring's own recipe
+            # raised for every = 1 (a user's hunt, 2026-12-04). The same for every matrix: the bool itself.
+            refresh_roots = refresh_roots.due
         if isinstance(refresh_roots, RootSchedule):
             due, batch = refresh_roots.due, tuple(state.M.shape[:-2])
             if not is_array_api_obj(due) or due.dtype != array_namespace(due).bool:
@@ -1338,7 +1346,8 @@ class RootSchedule:
     decided on the device, for a ``refresh_roots`` that is an array, not a Python bool.
 
     ``due`` is a boolean array of the stack's batch shape (``state.M.shape[:-2]``), in its namespace and on its device, e.g.
-    ``config.is_refresh_step(steps)`` of the matrices' step counts. Passed as ``refresh_roots`` to
+    ``config.is_refresh_step(steps)`` of the matrices' step counts; a Python bool (what that gives for
+    ``every = 1``) is the same for every matrix, as ``refresh_roots=due``. Passed as ``refresh_roots`` to
     [`FISMO.direction`][fismo_core.FISMO.direction] or
     [`direction_with_faults`][fismo_core.FISMO.direction_with_faults], a matrix that is due steps as with
     ``refresh_roots=True`` and the others as with ``False``, bit for bit, in one call and without a

@@ -379,6 +379,37 @@ def test_every_must_be_a_positive_integer(every) -> None:
     assert InverseRootConfig(every=np.int64(4)).every == 4 and type(InverseRootConfig(every=np.int64(4)).every) is int
 
 
+def test_every_is_at_most_the_int32_step_count() -> None:
+    """``every = 2**31`` was taken and every jitted update raised ``OverflowError`` against the int32 step
+    count (a user's hunt, 2026-12-04)."""
+    assert InverseRootConfig(every=2**31 - 1).every == 2**31 - 1
+    for every in (2**31, 10**20):
+        with pytest.raises(ValueError, match=r"every must be at most 2147483647 \(the step counts are int32\)"):
+            InverseRootConfig(every=every)
+
+
+def test_the_root_schedule_recipe_takes_every_one() -> None:
+    """``RootSchedule(config.is_refresh_step(steps))``, the docstring's recipe, raised for ``every = 1``, where
+    ``is_refresh_step`` is ``True`` whatever the steps: a bool ``due`` is that bool for every matrix."""
+    opt = FISMO(inv_root={"every": 1, "fallback": False})
+    W, G = np.zeros((2, 4, 3)), np.random.default_rng(0).standard_normal((2, 4, 3))
+    due = opt.inv_root.is_refresh_step(np.array([0, 3]))
+    assert due is True
+    state = opt.init(W)
+    scheduled = opt.direction(G, state, refresh_roots=RootSchedule(due))
+    plain = opt.direction(G, state, refresh_roots=True)
+    for a, b in zip((scheduled[0], *scheduled[1]), (plain[0], *plain[1])):
+        assert a is None and b is None or np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_matmul_dtype_the_library_lacks_is_refused_by_its_name() -> None:
+    """The error read as the polar's ``dtype``'s, naming neither ``inv_root`` nor ``matmul_dtype``."""
+    opt = FISMO(inv_root={"matmul_dtype": "bfloat16"})
+    W = np.zeros((4, 3))
+    with pytest.raises(ValueError, match=r"inverse-root matmul_dtype='bfloat16': the array library of X \(numpy\)"):
+        opt.step(W, np.ones_like(W), opt.init(W))
+
+
 def test_root_failures_pass_through_non_refresh_steps() -> None:
     """No root is checked on a non-refresh step, so the counter is passed on unchanged; a refresh
     step with good roots resets it to 0."""

@@ -1696,6 +1696,39 @@ def test_a_bad_weight_decay_set_later_is_refused_before_anything_changes(weight_
     _refused_at_the_next_step("weight_decay", weight_decay, ValueError, rf"param group 0: {message}", lr=0.1)
 
 
+@pytest.mark.parametrize("setting, field, first, later, error, message", [
+    ("inv_root", "every", 10, 10.0, ValueError, r"inverse-root every must be a positive integer, got 10\.0"),
+    ("inv_root", "every", 1, True, ValueError, r"inverse-root every must be a positive integer, got True"),
+    ("inv_root", "max_failures", 1, True, ValueError, r"max_failures must be an integer >= 0, got True"),
+    ("inv_root", "fallback", True, 1, TypeError, r"fallback must be None, True or False, got 1"),
+    ("polar", "steps", 5, 5.0, ValueError, r"polar steps must be a positive integer, got 5\.0"),
+    ("nesterov", None, True, 1, TypeError, r"nesterov must be True or False, got 1"),
+    ("block_size", None, 2, 2.0, ValueError, r"block_size must be None .* or a positive integer, got 2\.0"),
+])
+def test_a_setting_of_another_type_but_an_equal_value_set_later_is_refused(setting, field, first, later, error,
+                                                                            message):
+    """``True == 1`` and ``10.0 == 10`` hash alike: set after a step with the equal value of the right type,
+    such a value reused that step's core unchecked, and the ``state_dict`` saved after it was refused at load
+    (a user's hunt, 2026-12-04). Refused at the next step now, before anything changes."""
+    W = torch.nn.Parameter(torch.ones(4, 3))
+    opt = FISMO([W])
+    group = opt.param_groups[0]
+    if field is None:
+        group[setting] = first
+    else:
+        group[setting][field] = first
+    W.grad = torch.full((4, 3), 0.5)
+    opt.step()
+    before = (W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()})
+    if field is None:
+        group[setting] = later
+    else:
+        group[setting][field] = later
+    with pytest.raises(error, match=rf"param group 0: .*{message}"):
+        opt.step()
+    assert torch.equal(W, before[0]) and all(torch.equal(opt.state[W][k], v) for k, v in before[1].items())
+
+
 @pytest.mark.parametrize("block_size", [None, 3], ids=["full", "blocks"])
 @pytest.mark.parametrize("name", ["StepLR", "CosineAnnealingLR", "OneCycleLR"])
 def test_lr_schedulers_drive_the_step(name, block_size):
