@@ -194,6 +194,26 @@ def _mesh(x: Any) -> Optional[Any]:
     return None if mesh.empty or (mesh.size == 1 and not _is_explicit(mesh)) else mesh
 
 
+def _check_one_mesh(g: Any, s: FISMOState) -> None:
+    """Refuse a gradient laid out on another mesh than its state's ``M`` (eagerly and under ``jax.jit``).
+
+    A gradient on a 2 x 4 mesh beside a state on a 4 x 2 mesh of the same devices gave, with blocks on Auto
+    axes, directions 0.89 off the one-device run, silently (a user's hunt, 2026-12-04); ``optax.adamw``
+    refuses such inputs on Explicit axes ("Mesh for all inputs should be equal"). A gradient on one device
+    (or a NumPy one) beside a state on a mesh is not refused: `_beside_state` lays it out like ``M``.
+    """
+    g_mesh, s_mesh = _mesh(g), _mesh(s.M)
+    if g_mesh is not None and s_mesh is not None and g_mesh != s_mesh:
+        def axes(mesh: Any) -> str:
+            return " x ".join(f"{name}={size}" for name, size in zip(mesh.axis_names, mesh.axis_sizes))
+
+        raise ValueError(
+            f"the gradient is laid out on a mesh ({axes(g_mesh)}) other than its state's ({axes(s_mesh)}): put "
+            "the gradients on the parameters' mesh (the mesh tx.init was given), e.g. jax.device_put(g, "
+            "NamedSharding(param_mesh, spec))"
+        )
+
+
 def _is_explicit(mesh: Any) -> bool:
     """Whether ``mesh`` has Explicit axes (``jax.make_mesh``'s default in JAX 0.10), whose layout is in the types."""
     return AxisType.Explicit in tuple(mesh.axis_types)
@@ -596,6 +616,7 @@ def scale_by_fismo(
                 if hasattr(W, "dtype") and s.M.dtype in (jnp.float32, jnp.float64):
                     # canonical: NumPy float64 params are float32 in JAX without x64, and so is their state
                     _fismo.check_state_dtype(jnp, s, jax.dtypes.canonicalize_dtype(W.dtype))
+                _check_one_mesh(g, s)
                 dtype = _direction_dtype(g, W)
                 with _named_root_warnings(f"leaf {jax.tree_util.keystr(path)}"):
                     # A narrower gradient is widened first, exactly (the core casts G to the state's dtype

@@ -486,6 +486,22 @@ def _user_hunt_cases() -> dict[str, Any]:
         out["overflow_once_cast_on_the_mesh"] = None
     except ValueError as exc:
         out["overflow_once_cast_on_the_mesh"] = str(exc)
+
+    # Gradients on a 2 x 4 mesh of the same devices beside a state on the 4 x 2 one, Auto axes, with blocks:
+    # the directions were 0.89 off the one-device run, silently (a user's hunt, 2026-12-04). Refused now,
+    # eagerly and under jax.jit, as optax.adamw refuses it on Explicit axes.
+    auto = (AxisType.Auto,) * 2
+    mesh_4x2, mesh_2x4 = jax.make_mesh((4, 2), ("x", "y"), axis_types=auto), jax.make_mesh((2, 4), ("x", "y"), axis_types=auto)
+    tx = fismo(0.02, block_size=4)
+    w = {"w": jax.device_put(jnp.asarray(host["w"]), NamedSharding(mesh_4x2, PartitionSpec("x", "y")))}
+    state = tx.init(w)
+    g_other = {"w": jax.device_put(jnp.asarray(grads[0]["w"]), NamedSharding(mesh_2x4, PartitionSpec("x", "y")))}
+    for label, update in (("eager", tx.update), ("jit", jax.jit(tx.update))):
+        try:
+            update(g_other, state, w)
+            out[f"gradient on another mesh, {label}"] = None
+        except ValueError as exc:
+            out[f"gradient on another mesh, {label}"] = str(exc)
     return out
 
 
@@ -793,6 +809,16 @@ def test_an_eager_update_on_a_mesh_refuses_a_gradient_that_overflows_the_states_
     assert message is not None and message.startswith(
         "the gradient of leaf ['a'] (shape (8, 4)) contains 0 NaN and 32 infinite values (of 32 entries) once cast "
         "from float64 to the state's dtype float32"), message
+
+
+@pytest.mark.parametrize("label", ["eager", "jit"])
+def test_a_gradient_on_another_mesh_than_its_state_is_refused(results: dict[str, Any], label: str) -> None:
+    """Gradients on a 2 x 4 mesh beside a state on a 4 x 2 mesh of the same 8 devices (Auto axes, blocks of 4):
+    the directions were up to 0.89 off the one-device run, silently (a user's hunt, 2026-12-04)."""
+    message = results["user_hunt"][f"gradient on another mesh, {label}"]
+    assert message is not None and message.startswith(
+        "leaf ['w'] (gradient of shape (16, 8)): the gradient is laid out on a mesh (x=2 x y=4) other than its "
+        "state's (x=4 x y=2)"), message
 
 
 def test_a_state_resumed_from_a_host_copy_is_laid_out_as_init_lays_it_out(results: dict[str, Any]) -> None:
