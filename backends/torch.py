@@ -285,6 +285,7 @@ class FISMO(Optimizer):
             "block_size": block_size,
         }
         validate_fismo_hparams(defaults, "the optimizer's defaults")
+        self._cores: dict = {}  # `_core_for`'s cache; an attribute, not __dict__.setdefault (below)
         super().__init__(params, defaults)
 
     @classmethod
@@ -467,6 +468,8 @@ class FISMO(Optimizer):
         super().__setstate__(state)
         if not hasattr(self, "process_group"):  # pickled before it was kept (load_state_dict keeps the live one)
             self.process_group = None
+        if not hasattr(self, "_cores"):  # a cache, not pickled: an unpickled or deep-copied optimizer makes its own
+            self._cores = {}
         complete_loaded_state(self.state, self.param_groups)
 
     def state_dict(self) -> dict:
@@ -724,8 +727,10 @@ class FISMO(Optimizer):
 
     # ------------------------------------------------------------------ FISMO
     def _core_for(self, group: dict) -> _CoreFISMO:
-        """Core instances cached per hyperparameter set (a plain dict, which torch.compile traces)."""
-        cores = self.__dict__.setdefault("_cores", {})
+        """Core instances cached per hyperparameter set (a plain dict, which torch.compile traces; torch 2.11's
+        dynamo could not trace ``self.__dict__.setdefault``, the cache's lookup until 2026-12-04: found on an
+        H200, where every ``torch.compile(opt.step, fullgraph=True)`` raised ``Unsupported method call``)."""
+        cores = self._cores
         try:
             # A value set in the group after construction (a schedule of beta, a typo) is checked here,
             # where its key and its core are made, and the error names the group.

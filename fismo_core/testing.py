@@ -185,15 +185,17 @@ def _host_array(x: Any) -> Any:
         elif x.is_floating_point() and x.dtype not in (torch.float16, torch.float32, torch.float64):
             x = x.to(torch.float32)
         return x.numpy()
-    # JAX (CPU) and array-api-strict (any of its virtual devices) export through DLPack, which keeps
-    # integer, boolean and complex dtypes but knows no bfloat16: narrow floats go as float32 (exact).
+    # NumPy has no bfloat16: narrow floats go as float32 (exact). JAX copies to the host itself, from
+    # any device (NumPy's DLPack import takes CPU buffers only: a GPU array raised BufferError) and
+    # gathering a sharded or replicated array; array-api-strict (any of its virtual devices) exports
+    # through DLPack, which keeps integer, boolean and complex dtypes.
     from array_api_compat import array_namespace
 
     xp = array_namespace(x)
     if xp.isdtype(x.dtype, "real floating") and x.dtype not in (xp.float32, xp.float64):
         x = xp.astype(x, xp.float32)
-    if len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1:  # DLPack takes one device's buffer
-        return np.asarray(x)  # JAX gathers a sharded or replicated array to the host
+    if module in ("jax", "jaxlib"):
+        return np.asarray(x)
     return np.from_dlpack(x)
 
 

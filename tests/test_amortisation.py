@@ -30,6 +30,7 @@ import io
 
 import numpy as np
 import pytest
+from array_api_compat import device
 
 from fismo_core import FISMO, InverseRootConfig, RootSchedule, linalg
 from fismo_core.kronecker import to_dense
@@ -337,7 +338,7 @@ def test_a_root_schedule_steps_each_matrix_as_its_bool_would(target: Target, sha
     xp = target.xp
     for t, due in enumerate([[True, True, True], [True, False, True], [False, False, False], [False, True, False]]):
         G = target.asarray(grads[t])
-        D, new = opt.direction(G, state, refresh_roots=RootSchedule(xp.asarray(due)))
+        D, new = opt.direction(G, state, refresh_roots=RootSchedule(xp.asarray(due, device=device(G))))
         D_fresh, fresh = opt.direction(G, state, refresh_roots=True)
         D_kept, kept = opt.direction(G, state, refresh_roots=False)
         for i, d in enumerate(due):

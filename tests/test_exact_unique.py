@@ -181,13 +181,22 @@ def test_exact_polar_is_the_newton_schulz_limit(target: Target, m: int, n: int, 
 
 
 def test_full_rank_results_unchanged(target: Target) -> None:
-    """Full rank: nothing is cut, and the result is the thin SVD's U @ Vh bit for bit (as before the cut)."""
+    """Full rank: nothing is cut, and the result is the thin SVD's U @ Vh, bit for bit on the CPU targets (as
+    before the cut). On a GPU, within the rounding of that product: ``U * 1`` is ``U`` bit for bit but a
+    new array in another memory layout, and cuBLAS picks its kernel, and so its order of summation, by the
+    operands' layout (CuPy float32, H200: one unit in the last place, 2026-12-04). Bound: each entry is a
+    sum of k = min(m, n) products whose absolute values sum to at most 1 (the rows of U and the columns of
+    Vh have norm 1), so two orders differ by at most 2 k eps."""
     xp = target.xp
     rng = np.random.default_rng(5)
     for shape in ((7, 7), (4, 9), (9, 4), (3, 6, 10)):
         X = target.asarray(rng.standard_normal(shape))
         U, _, Vh = xp.linalg.svd(X, full_matrices=False)
-        assert np.array_equal(to_numpy(polar(X, method="svd")), to_numpy(U @ Vh))
+        got, want = to_numpy(polar(X, method="svd")), to_numpy(U @ Vh)
+        if target.device.lower().startswith("cpu"):
+            assert np.array_equal(got, want), shape
+        else:
+            assert np.max(np.abs(got - want)) <= 2 * min(shape[-2:]) * EPS[target.dtype], shape
 
 
 # --- rtol ------------------------------------------------------------------------------------------

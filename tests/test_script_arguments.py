@@ -193,9 +193,10 @@ def test_the_performance_pages_model_tables_are_the_stores(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import performance
 
-    performance.print_model_tables("cpu", STORE)
-    printed = capsys.readouterr().out
-    tables = printed[printed.index("**gpt2-2layers**"):].strip()
     page = (ROOT / "docs" / "performance.md").read_text()
-    start, end = "<!-- models-tables:start -->", "<!-- models-tables:end -->"
-    assert page[page.index(start) + len(start):page.index(end)].strip() == tables
+    for device, marker in (("cpu", "models-tables"), ("cuda", "models-tables-cuda")):  # cuda: an H200, 2026-12-04
+        performance.print_model_tables(device, STORE)
+        printed = capsys.readouterr().out
+        tables = printed[printed.index("**gpt2-2layers**"):].strip()
+        start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+        assert page[page.index(start) + len(start):page.index(end)].strip() == tables, device

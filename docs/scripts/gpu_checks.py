@@ -9,9 +9,10 @@ Issue 19, point 7; the documentation page "Verification", section "On a GPU mach
 
 The stages run in order, each timed; a stage that fails does not stop the next ones.
 
-1. ``tests``: pytest on every test whose id names CUDA or CuPy (``pytest tests -q -rs -k "cuda or
-   cupy"``: the ``torch-cuda-*`` and ``cupy-cuda-*`` cases of the shared target fixtures,
-   ``tests/test_cupy.py``, the CUDA tests of ``tests/test_devices.py``), with the counts of passed,
+1. ``tests``: pytest on every test whose id names CUDA, CuPy or JAX's GPU (``pytest tests -q -rs -k
+   "cuda or cupy or jax-gpu"``: the ``torch-cuda-*``, ``cupy-cuda-*`` and ``jax-gpu-*`` cases of the
+   shared target fixtures, ``tests/test_cupy.py``, the CUDA tests of ``tests/test_devices.py``), in
+   parallel (``-n`` up to 8 workers) where pytest-xdist is installed, with the counts of passed,
    skipped and failed tests.
 2. ``verify``: ``fismo verify`` (``--steps 5`` with ``--quick``), which adds the ``torch-cuda``
    and ``cupy-cuda`` targets by itself; the GPU rows are reported.
@@ -39,6 +40,7 @@ failed (skipped ones included), 1 when one failed, 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -60,8 +62,12 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "fismo-results" / "gpu-checks"
 #: The devices a stage can need: torch on CUDA, CuPy on CUDA.
 TORCH_CUDA, CUPY = "torch-cuda", "cupy"
-#: pytest's ``-k`` expression of stage 1: every test id naming CUDA or CuPy.
-GPU_TEST_SELECTION = "cuda or cupy"
+#: pytest's ``-k`` expression of stage 1: every test id naming CUDA, CuPy or JAX's GPU (JAX labels its
+#: targets by platform: ``jax-gpu-float64`` where a CUDA jaxlib is installed).
+GPU_TEST_SELECTION = "cuda or cupy or jax-gpu"
+#: Stage 1's pytest-xdist workers at most (one per core below that): 1136 tests took 223 s with 8 on an
+#: H200 machine of 16 cores (2026-12-04); one process would take many times that.
+MAX_TEST_WORKERS = 8
 #: Medians of stage 3 are over this many interleaved calls (``--quick``: the second number).
 STEP_REPEATS, QUICK_STEP_REPEATS = 30, 10
 #: Steps the compiled and the eager optimizer take before their parameters are compared: the
@@ -232,6 +238,8 @@ def pytest_counts(output: str) -> dict[str, int]:
 
 def stage_tests(options: Options, log: Log) -> StageResult:
     command = [sys.executable, "-m", "pytest", "tests", "-q", "-rs", "-p", "no:cacheprovider", "-k", GPU_TEST_SELECTION]
+    if importlib.util.find_spec("xdist") is not None:
+        command += ["-n", str(max(1, min(MAX_TEST_WORKERS, os.cpu_count() or 1)))]
     status, output = run_command(command, log)
     counts = pytest_counts(output)
     figures = {"tests": ", ".join(f"{counts.get(k, 0)} {k}" for k in ("passed", "skipped", "failed", "error"))}
@@ -550,6 +558,7 @@ def check_compiled_step(
             try:
                 compiled()
             except Exception as exc:  # reported: the eager step and Muon are still measured
+                say("".join(traceback.format_exception(exc)))  # dynamo's message names the user code it stopped at
                 result.errors["FISMO compiled"] = f"{type(exc).__name__}: {first_line(exc)}"
                 result.problems.append(f"torch.compile(opt.step, {options}) raised {result.errors['FISMO compiled']}")
                 compiled = None
