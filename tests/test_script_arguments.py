@@ -92,7 +92,26 @@ CASES = [
     # polar_cut.py and warm_start.py take no options
     ("polar_cut", ["--bogus-option"], "unrecognized arguments: --bogus-option"),
     ("warm_start", ["--bogus-option"], "unrecognized arguments: --bogus-option"),
+    # found by a user's hunt, 2026-12-04: tracebacks after the work, or arguments ignored and the whole run made
+    ("block_deviation", ["--steps", "0", "--no-plot"], f"argument --steps: {POSITIVE} 0"),  # IndexError
+    ("block_deviation", ["--threads", "0", "--no-plot"], f"argument --threads: {POSITIVE} 0"),  # torch's choice, silently
+    ("fast_path_accuracy", ["--steps", "50"],
+     "argument --steps: must be above 100 (the table compares steps 100-199 with the last 100), got 50"),
+    ("dynamo_tracing", ["--repeats", "0"], f"argument --repeats: {POSITIVE} 0"),  # CalledProcessError after 11 s
+    ("default_path_outputs", ["--check", "/nonexistent/before"],  # FileNotFoundError after 50 s of work
+     "argument --check: /nonexistent/before.npz does not exist (write it with --save first)"),
+    ("ddp_mismatched_grads", ["--propgate"], "unrecognized arguments: --propgate"),  # ran the "raise" case
+    ("ddp_state_dict_on_one_rank", ["bogus"], "argument idiom: invalid choice: 'bogus'"),  # exit status 1
+    ("ddp_state_dict_on_one_rank", ["every", "extra"], "unrecognized arguments: extra"),  # ignored
+    ("lite_cpp_wrapper", ["--stage", "x"], "argument --stage: invalid int value: 'x'"),  # ValueError traceback
+    *[(script, ["--bogus-option"], "unrecognized arguments: --bogus-option") for script in (
+        "compile_precision", "inductor_cache_isa", "inductor_float64_sources", "cpu_kernels", "compiled_lr_schedule",
+        "exact_derivatives", "notes_measurements", "lite_cpp_wrapper")],  # every argument ignored, --help too
 ]
+
+#: The scripts without options: ``--help`` prints the usage and the docstring's first line, and runs nothing.
+NO_OPTIONS = ["polar_cut", "warm_start", "compile_precision", "inductor_cache_isa", "inductor_float64_sources",
+              "cpu_kernels", "compiled_lr_schedule", "exact_derivatives", "notes_measurements", "lite_cpp_wrapper"]
 
 
 @pytest.mark.parametrize(("script", "args", "message"), CASES, ids=[f"{s} {' '.join(a)}" for s, a, _ in CASES])
@@ -100,7 +119,7 @@ def test_a_bad_argument_is_one_usage_line_before_any_work(script, args, message)
     assert message in refused(script, *args)
 
 
-@pytest.mark.parametrize("script", ["polar_cut", "warm_start"])
+@pytest.mark.parametrize("script", NO_OPTIONS)
 def test_help_prints_the_usage_and_the_docstrings_first_line_without_running(script):
     done = subprocess.run([sys.executable, f"docs/scripts/{script}.py", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
@@ -109,6 +128,18 @@ def test_help_prints_the_usage_and_the_docstrings_first_line_without_running(scr
     assert done.stdout.startswith(f"usage: {script}.py [-h]\n"), done.stdout
     assert " ".join(first_line.split()) in " ".join(done.stdout.split()), done.stdout
     assert "|" not in done.stdout  # no table: the measurement did not run
+
+
+def test_default_path_outputs_names_its_file_as_numpy_writes_it(tmp_path, monkeypatch):
+    """``--save before`` printed "saved ... to before" while NumPy wrote ``before.npz``, and ``--check before``
+    then failed after the work: both now take the name with ``.npz`` (a user's hunt, 2026-12-04)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import default_path_outputs
+
+    assert default_path_outputs.npz_to_write(str(tmp_path / "before")) == tmp_path / "before.npz"
+    assert default_path_outputs.npz_to_write(str(tmp_path / "before.npz")) == tmp_path / "before.npz"
+    (tmp_path / "before.npz").write_bytes(b"")
+    assert default_path_outputs.npz_to_read(str(tmp_path / "before")) == tmp_path / "before.npz"
 
 
 # ------------------------------------------------------------------------------------- scaling_study.py's paths

@@ -122,14 +122,16 @@ def relative(a: list[np.ndarray], ref: list[np.ndarray]) -> np.ndarray:
 
 
 def main() -> None:
+    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--steps", type=positive_int, default=200)
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     import torch
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     started = time.time()
     grads = record_gradients(args.steps)

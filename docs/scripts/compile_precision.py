@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import argparse
 import torch
 import torch._inductor.config as inductor_config
 
@@ -65,6 +66,7 @@ def max_autotune(gemm_backends: str | None) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; anything else refused
     eager = updates(None)
     print(f"training configuration, polar dtype {FISMO.training([torch.nn.Parameter(torch.ones(2, 2))]).param_groups[0]['polar']['dtype']}")
     print(f"eager vs eager in float32 throughout: {worst(eager, updates(None, polar={'dtype': None}, inv_root={'matmul_dtype': None})):.3g}")

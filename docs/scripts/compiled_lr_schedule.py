@@ -11,6 +11,7 @@ stale value of the float lr); FISMO's line 9 takes a compiled float lr as a tens
 """
 from __future__ import annotations
 
+import argparse
 import copy
 
 import torch
@@ -53,6 +54,7 @@ def drift(make_optimizer, scheduled: bool, steps: int = 6) -> list[float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; anything else refused
     optimizers = {
         "FISMO": lambda m: FISMO(m.parameters(), lr=0.05, weight_decay=0.1, nonfinite="propagate"),
         "torch.optim.Muon": lambda m: torch.optim.Muon(m.parameters(), lr=0.05, weight_decay=0.1),

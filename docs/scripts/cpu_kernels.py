@@ -13,6 +13,7 @@ output.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -38,6 +39,7 @@ print(json.dumps(errors))
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; anything else refused
     runs = {}
     for ks in KERNEL_SETS:
         if not runnable(ks):

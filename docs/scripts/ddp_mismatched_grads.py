@@ -16,7 +16,7 @@ and whether its second matrix changed.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 from datetime import timedelta
@@ -59,7 +59,9 @@ def _worker(rank: int, store: str, nonfinite: str) -> None:
 
 
 def main() -> None:
-    nonfinite = "propagate" if "--propagate" in sys.argv[1:] else "raise"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--propagate", action="store_true", help='nonfinite="propagate" (default: "raise")')
+    nonfinite = "propagate" if parser.parse_args().propagate else "raise"  # a typo was the "raise" run, silently
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(str(Path(tmp) / "store"), nonfinite), nprocs=2, start_method="spawn")
 

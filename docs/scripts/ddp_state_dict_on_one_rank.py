@@ -11,7 +11,7 @@ finished and when; a rank that aborts in C++ (gloo) prints nothing more, and the
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 from datetime import timedelta
@@ -62,9 +62,10 @@ def _worker(rank: int, store: str, idiom: str) -> None:
 
 
 def main() -> None:
-    idiom = sys.argv[1] if len(sys.argv) > 1 else "rank0"
-    if idiom not in ("rank0", "every"):
-        raise SystemExit("usage: ddp_state_dict_on_one_rank.py rank0|every")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("idiom", nargs="?", default="rank0", choices=["rank0", "every"],
+                        help="rank0: rank 0 alone calls state_dict() (torch.optim's idiom); every: every rank does")
+    idiom = parser.parse_args().idiom
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.start_processes(_worker, args=(str(Path(tmp) / "store"), idiom), nprocs=2, start_method="spawn")

@@ -15,6 +15,7 @@ import argparse
 import inspect
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -115,16 +116,37 @@ def optax_outputs() -> dict[str, np.ndarray]:
     return {f"optax/{k}": np.asarray(v, dtype=np.float64) for k, v in params.items()}
 
 
+def _npz(text: str) -> Path:
+    """``text`` with NumPy's ``.npz`` suffix, which ``np.savez_compressed`` adds to a name without it: ``--save
+    before`` wrote ``before.npz`` while saying ``before``, and ``--check before`` then failed after the work."""
+    return Path(text if text.endswith(".npz") else text + ".npz")
+
+
+def npz_to_write(text: str) -> Path:
+    """``--save``: a file that may not exist yet (`_arguments.output_file`), with the ``.npz`` suffix."""
+    from _arguments import output_file  # docs/scripts/, on sys.path when the script runs
+
+    return output_file(str(_npz(text)))
+
+
+def npz_to_read(text: str) -> Path:
+    """``--check``: an existing file, with the ``.npz`` suffix; refused before the outputs are computed (50 s)."""
+    path = _npz(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{path} does not exist (write it with --save first)")
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--save", metavar="PATH")
-    group.add_argument("--check", metavar="PATH")
+    group.add_argument("--save", metavar="PATH", type=npz_to_write, help="write the outputs (.npz added if missing)")
+    group.add_argument("--check", metavar="PATH", type=npz_to_read, help="compare with a --save (.npz added if missing)")
     args = parser.parse_args()
     pin_full_float32_matmuls()
     outputs = {**core_outputs(), **torch_outputs(), **optax_outputs()}
     if args.save:
-        np.savez_compressed(args.save, **outputs)
+        np.savez_compressed(args.save, **outputs)  # args.save ends in .npz: NumPy writes that very name
         print(f"saved {len(outputs)} arrays to {args.save}")
         return 0
     saved = np.load(args.check)

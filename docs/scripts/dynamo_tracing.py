@@ -85,8 +85,10 @@ def measure(mode: str, config: str, repeats: int) -> dict:
 
 
 def main() -> None:
+    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="compiles timed per configuration and mode")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="compiles timed per configuration and mode")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--measure", nargs=2, metavar=("MODE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()

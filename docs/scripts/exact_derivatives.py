@@ -27,6 +27,7 @@ Prints, for JAX and torch in float64:
 
 from __future__ import annotations
 
+import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,6 +193,7 @@ def through_steps() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; anything else refused
     first_derivatives()
     second_derivatives()
     through_steps()

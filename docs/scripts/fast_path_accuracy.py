@@ -92,9 +92,21 @@ def cpu_target(backend: str, dtype: str):
     return next((t for t in targets() if t.id == f"{backend}-cpu-{dtype}" and t.available), None)
 
 
+def more_than_100(text: str) -> int:
+    """``--steps``: above 100, since the table compares steps 100-199 with the last 100 (50 raised
+    ``ValueError: zero-size array`` after the whole computation; a user's hunt, 2026-12-04)."""
+    from _arguments import positive_int  # docs/scripts/, on sys.path when the script runs
+
+    value = positive_int(text)
+    if value <= 100:
+        raise argparse.ArgumentTypeError(f"must be above 100 (the table compares steps 100-199 with the last 100), got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=more_than_100, default=1000,
+                        help="steps of each trajectory, above 100 (the table compares steps 100-199 with the last 100)")
     args = parser.parse_args()
     shapes = [(64, 96), (96, 64)]
     print(f"## Newton–Schulz roots (Polar Express, 9 steps) against eigh, {args.steps} steps\n")

@@ -16,6 +16,7 @@ the pairs to differ.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -46,6 +47,7 @@ def _run(capability: str | None, cache: str, graph_cache: bool) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; anything else refused
     print("| first process | second process | FX graph cache | second: compiled | second: eager | right? |")
     print("|---|---|---|---|---|---|")
     for first in CAPABILITIES:

@@ -16,6 +16,7 @@ Then the one elementwise source found on the machine where this was written, tor
 
 from __future__ import annotations
 
+import argparse
 import operator
 import sys
 from collections import defaultdict
@@ -98,6 +99,7 @@ def sources(seed: int) -> list[tuple[str, float]]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; anything else refused
     torch.set_num_threads(1)
     by_op = defaultdict(lambda: [0, 0.0])
     for seed in SEEDS:

@@ -25,6 +25,7 @@ only show what the C++ wrapper would buy once torch fixes the two bugs.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -97,8 +98,11 @@ def _stage(stage: int) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--stage":
-        print(json.dumps(_stage(int(sys.argv[2]))))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", type=int, choices=STAGES, help=argparse.SUPPRESS)  # one stage, in a child process
+    args = parser.parse_args()
+    if args.stage is not None:
+        print(json.dumps(_stage(args.stage)))
         return
     print(f"torch {__import__('torch').__version__}")
     print("| stage | result |")

@@ -15,6 +15,7 @@ the results do not depend on the machine's thread count.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -235,6 +236,7 @@ def section_c() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; anything else refused
     start = time.perf_counter()
     section_a()
     section_b()
