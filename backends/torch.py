@@ -554,9 +554,10 @@ class FISMO(Optimizer):
         roots_due = self._roots_due_read_on_the_host()
         try:
             # Lines 4-8 of every FISMO group: gather, and compute on the owners.
+            # Keyed by the group's index: torch 2.11's dynamo cannot trace id() of a dict (found 2026-12-04).
             plans = {
-                id(group): self._fismo_compute(group, placements, checks.skip, created, roots_due)
-                for group in self.param_groups
+                index: self._fismo_compute(group, placements, checks.skip, created, roots_due)
+                for index, group in enumerate(self.param_groups)
                 if group["algorithm"] == "fismo"
             }
         except Exception:
@@ -603,11 +604,11 @@ class FISMO(Optimizer):
             if refused is not None:
                 self._forget(created)
                 raise refused
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             if group["algorithm"] == "adamw":
                 adamw_group_step(self.state, group, checks.skip)
             else:
-                self._fismo_apply(plans[id(group)])
+                self._fismo_apply(plans[index])
 
     def _distributed(self) -> bool:
         """Whether a step runs collectives: a ``process_group`` (DDP) or a ``DTensor`` parameter (FSDP2, HSDP, TP)."""
@@ -677,23 +678,25 @@ class FISMO(Optimizer):
             check_group_settings(self.param_groups)
             check_each_param_once(self.param_groups)
             check_states_fit(self.param_groups, self.state)
-            cores = {id(g): self._core_for(g) for g in self.param_groups if g["algorithm"] == "fismo"}
-            for g in self.param_groups:  # _core_for checks this eagerly only; traced, the core raised, unnamed
+            # Keyed by the group's index (as `_step`'s plans): torch 2.11's dynamo cannot trace id() of a dict.
+            groups = list(enumerate(self.param_groups))
+            cores = {i: self._core_for(g) for i, g in groups if g["algorithm"] == "fismo"}
+            for i, g in groups:  # _core_for checks this eagerly only; traced, the core raised, unnamed
                 if g["algorithm"] == "fismo":
-                    self._check_states_fit(g, cores[id(g)])
-            new = {id(g): self._stateless(g) for g in self.param_groups}
-            for g in self.param_groups:
+                    self._check_states_fit(g, cores[i])
+            new = {i: self._stateless(g) for i, g in groups}
+            for i, g in groups:
                 if g["algorithm"] == "fismo":
-                    self._check_new_matrices(new[id(g)], cores[id(g)].block_size)
+                    self._check_new_matrices(new[i], cores[i].block_size)
         except (TypeError, ValueError) as exc:
             raise through_dynamo(exc) from exc
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             if group["algorithm"] == "adamw":
-                for p in new[id(group)]:
+                for p in new[index]:
                     init_adamw_state(self.state[p], p, group)
             else:
-                core = cores[id(group)]
-                for p in new[id(group)]:
+                core = cores[index]
+                for p in new[index]:
                     self._matrix_state(core, p, torch.empty(_fismo.matrix_shape(p.shape), device=p.device))
         return False
 
