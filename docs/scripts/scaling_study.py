@@ -513,6 +513,8 @@ def run_study(preset: Preset, out: Path, jobs: int = 2, *, resume: bool = True, 
         executor.close()
     doc.update(summarise(preset, searches, doc["runs"]))
     doc.update({"complete": True, "seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu_start})
+    if hasattr(os, "getloadavg"):  # stored, so that --report-only writes the same report (it read the load anew)
+        doc["load_at_end"] = round(os.getloadavg()[0], 1)
     _write_json(path, doc)
     return doc
 
@@ -645,7 +647,9 @@ def markdown_report(doc: Mapping[str, Any]) -> str:
     sizes = config["sizes"]
     seeds = [str(s) for s in range(config["seeds"])]
     trained = sum(r["seconds"] for r in doc["runs"])
-    load = f"; load average at the end {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    # The load the study recorded when it finished (a study recorded before the field: none). Read anew here, it
+    # made --report-only's report differ from the study's own under another load (CI 127, 3.7 against 3.6).
+    load = f"; load average at the end {doc['load_at_end']:.1f}" if "load_at_end" in doc else ""
     parts = [
         f"# Scaling study: {candidate} against torch.optim.Muon as the GPT grows (preset {doc['preset']!r})",
         "",
