@@ -196,6 +196,16 @@ def test_report_only_writes_the_same_report_from_a_finished_study(reduced, tmp_p
     assert (again / "report.md").read_text() == (out / "report.md").read_text()
 
 
+def test_the_report_states_the_load_the_study_stored_not_the_current_one(reduced, monkeypatch):
+    """The report read the load average when it was written, so ``--report-only`` differed from the study's own
+    report under another load (CI 127: 3.7 against 3.6); it states the stored ``load_at_end`` (none if absent)."""
+    _, doc, _, _ = reduced
+    monkeypatch.setattr(study.os, "getloadavg", lambda: (99.0, 99.0, 99.0), raising=False)
+    report = study.markdown_report({**doc, "load_at_end": 1.25})
+    assert "load average at the end 1.2;" in report and "99" not in report.split("\n")[3]
+    assert "load average" not in study.markdown_report({k: v for k, v in doc.items() if k != "load_at_end"})
+
+
 def test_reduced_study_selects_each_lr_by_the_winner_inside_the_grid_rule(reduced):
     _, doc, _, _ = reduced
     preset = study.PRESETS["reduced"]
