@@ -299,8 +299,8 @@ def test_the_tests_stage_runs_pytest_on_the_gpu_cases_and_counts_them(tmp_path, 
     (the jax-gpu cases were not selected until a GPU run, 2026-12-04), in parallel where pytest-xdist is installed."""
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_stand_in.py").write_text(
-        "import pytest\n"
-        "def test_on_cuda(): pass\n"
+        "import os, pytest\n"
+        "def test_on_cuda(): assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'  # JAX's, per worker\n"
         "def test_on_the_cpu(): raise AssertionError('not selected')\n"
         "@pytest.mark.parametrize('t', ['torch-cpu-float32', 'torch-cuda-float32', 'cupy-cuda-float32', 'jax-gpu-float32'])\n"
         "def test_target(t):\n"

@@ -210,11 +210,11 @@ def exit_status(results: Sequence[tuple[Stage, StageResult]]) -> int:
 
 
 # ------------------------------------------------------------------ stages that run commands
-def run_command(command: Sequence[str], log: Log) -> tuple[int, str]:
-    """Run ``command`` from the repository root, its output streamed to the console and the log;
-    returns the exit status and the whole output."""
+def run_command(command: Sequence[str], log: Log, env: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
+    """Run ``command`` from the repository root (``env``: variables added to this process's), its output
+    streamed to the console and the log; returns the exit status and the whole output."""
     log.say("$ " + shlex.join(command))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     lines = []
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env) as process:
@@ -240,7 +240,8 @@ def stage_tests(options: Options, log: Log) -> StageResult:
     command = [sys.executable, "-m", "pytest", "tests", "-q", "-rs", "-p", "no:cacheprovider", "-k", GPU_TEST_SELECTION]
     if importlib.util.find_spec("xdist") is not None:
         command += ["-n", str(max(1, min(MAX_TEST_WORKERS, os.cpu_count() or 1)))]
-    status, output = run_command(command, log)
+    # JAX takes 75 % of a GPU's memory when it starts, in each worker: not with several workers on one GPU.
+    status, output = run_command(command, log, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     counts = pytest_counts(output)
     figures = {"tests": ", ".join(f"{counts.get(k, 0)} {k}" for k in ("passed", "skipped", "failed", "error"))}
     if status == 0:
