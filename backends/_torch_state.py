@@ -20,8 +20,9 @@ Every check raises before any parameter or state is touched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Optional, overload
+from typing import Any, Optional, overload
 
 import torch
 from array_api_compat import torch as _xp  # the core's namespace for torch tensors
@@ -598,7 +599,7 @@ def read_step_faults(
     """
     if not owner_groups:
         pending, _ = _agree_across_shards(checks.pending)
-        checks = checks._replace(pending=pending)
+        checks = dataclasses.replace(checks, pending=pending)
         return checks, bool(_guards.read_faults(*checks.faults(), *root_faults)), None
     local = [flag.reshape(-1).any() for flag in root_faults if flag is not None]
     device = owner_groups[0][1]
@@ -614,7 +615,7 @@ def read_step_faults(
     if flags is not None:  # some slots
         riding = torch.cat([riding, flags])
     pending, reduced = _agree_across_shards(checks.pending, (owner_groups, riding))
-    checks = checks._replace(pending=_with_flags(pending, slots, reduced[first_flag:]))
+    checks = dataclasses.replace(checks, pending=_with_flags(pending, slots, reduced[first_flag:]))
     digests_differ = None if digest is None else reduced[1] + reduced[2] != 0  # min(d) != max(d) over the ranks
     faults = [reduced[0] == 0] + ([] if digests_differ is None else [digests_differ])
     return checks, bool(_guards.read_faults(*checks.faults(), *faults)), digests_differ
@@ -658,8 +659,12 @@ def agreed_refusal(owner_groups: list, here: int) -> int:
     return int(reduced)
 
 
-class GradientChecks(NamedTuple):
-    """What `check_grads` found: the parameters to skip now, and the flags whose read is deferred."""
+@dataclasses.dataclass(frozen=True)
+class GradientChecks:
+    """What `check_grads` found: the parameters to skip now, and the flags whose read is deferred.
+
+    A dataclass, not a ``NamedTuple``: torch 2.11's dynamo, resuming the step after its host read, failed
+    to rebuild the tuple (``InternalTorchDynamoError: IndexError``; every compiled step with a host read)."""
 
     skip: set
     """Ids of the parameters (of both algorithms) that do not step (``nonfinite="skip"``)."""
