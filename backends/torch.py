@@ -285,7 +285,8 @@ class FISMO(Optimizer):
             "block_size": block_size,
         }
         validate_fismo_hparams(defaults, "the optimizer's defaults")
-        self._cores: dict = {}  # `_core_for`'s cache; an attribute, not __dict__.setdefault (below)
+        self._cores: dict = {}  # `_core_for`'s caches; attributes, not __dict__.setdefault (below)
+        self._checked_block_sizes: dict = {}
         super().__init__(params, defaults)
 
     @classmethod
@@ -468,8 +469,8 @@ class FISMO(Optimizer):
         super().__setstate__(state)
         if not hasattr(self, "process_group"):  # pickled before it was kept (load_state_dict keeps the live one)
             self.process_group = None
-        if not hasattr(self, "_cores"):  # a cache, not pickled: an unpickled or deep-copied optimizer makes its own
-            self._cores = {}
+        if not hasattr(self, "_cores"):  # caches, not pickled: an unpickled or deep-copied optimizer makes its own
+            self._cores, self._checked_block_sizes = {}, {}
         complete_loaded_state(self.state, self.param_groups)
 
     def state_dict(self) -> dict:
@@ -690,7 +691,7 @@ class FISMO(Optimizer):
                     self._check_new_matrices(new[i], cores[i].block_size)
         except (TypeError, ValueError) as exc:
             raise through_dynamo(exc) from exc
-        for index, group in enumerate(self.param_groups):
+        for index, group in groups:
             if group["algorithm"] == "adamw":
                 for p in new[index]:
                     init_adamw_state(self.state[p], p, group)
@@ -757,7 +758,7 @@ class FISMO(Optimizer):
             # The states must fit a block_size set since, and a matrix moved in from another FISMO group:
             # checked once per group, block_size and list of parameters (not at every step of a schedule of
             # beta, which changes the key only).
-            checked = self.__dict__.setdefault("_checked_block_sizes", {})
+            checked = self._checked_block_sizes
             index = self._group_index(group)
             layout = (cores[key].block_size, tuple(map(id, group["params"])))
             if checked.get(index) != layout:

@@ -189,12 +189,12 @@ def _host_array(x: Any) -> Any:
     # any device (NumPy's DLPack import takes CPU buffers only: a GPU array raised BufferError) and
     # gathering a sharded or replicated array; array-api-strict (any of its virtual devices) exports
     # through DLPack, which keeps integer, boolean and complex dtypes.
-    from array_api_compat import array_namespace
+    from array_api_compat import array_namespace, is_jax_array
 
     xp = array_namespace(x)
     if xp.isdtype(x.dtype, "real floating") and x.dtype not in (xp.float32, xp.float64):
         x = xp.astype(x, xp.float32)
-    if module in ("jax", "jaxlib"):
+    if is_jax_array(x):
         return np.asarray(x)
     return np.from_dlpack(x)
 

@@ -294,13 +294,19 @@ def test_compiled_step_check_reports_host_reads_and_a_compile_that_fails(monkeyp
         assert "FISMO compiled" not in check.medians_ms and check.max_rel_diff is None
 
 
-def test_the_tests_stage_runs_pytest_on_the_gpu_cases_and_counts_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("users", "seen"), [(None, "false"), ("true", "true")])
+def test_the_tests_stage_runs_pytest_on_the_gpu_cases_and_counts_them(tmp_path, monkeypatch, users, seen):
     """Stage 1 against a stand-in repository: pytest selects the tests whose ids name CUDA, CuPy or JAX's GPU
-    (the jax-gpu cases were not selected until a GPU run, 2026-12-04), in parallel where pytest-xdist is installed."""
+    (the jax-gpu cases were not selected until a GPU run, 2026-12-04), in parallel where pytest-xdist is installed,
+    with JAX's preallocation of GPU memory off unless the user set it."""
+    if users is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", users)
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_stand_in.py").write_text(
         "import os, pytest\n"
-        "def test_on_cuda(): assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'  # JAX's, per worker\n"
+        f"def test_on_cuda(): assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == {seen!r}  # JAX's, per worker\n"
         "def test_on_the_cpu(): raise AssertionError('not selected')\n"
         "@pytest.mark.parametrize('t', ['torch-cpu-float32', 'torch-cuda-float32', 'cupy-cuda-float32', 'jax-gpu-float32'])\n"
         "def test_target(t):\n"

@@ -240,8 +240,10 @@ def stage_tests(options: Options, log: Log) -> StageResult:
     command = [sys.executable, "-m", "pytest", "tests", "-q", "-rs", "-p", "no:cacheprovider", "-k", GPU_TEST_SELECTION]
     if importlib.util.find_spec("xdist") is not None:
         command += ["-n", str(max(1, min(MAX_TEST_WORKERS, os.cpu_count() or 1)))]
-    # JAX takes 75 % of a GPU's memory when it starts, in each worker: not with several workers on one GPU.
-    status, output = run_command(command, log, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    # JAX takes 75 % of a GPU's memory when it starts, in each worker: not with several workers on one GPU
+    # (a value the user set is kept).
+    preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    status, output = run_command(command, log, env={"XLA_PYTHON_CLIENT_PREALLOCATE": preallocate})
     counts = pytest_counts(output)
     figures = {"tests": ", ".join(f"{counts.get(k, 0)} {k}" for k in ("passed", "skipped", "failed", "error"))}
     if status == 0:
