@@ -75,6 +75,8 @@ def state_to_device(state: FISMOState, device: Any = None, *, stream: Optional[A
 
 
 def _to_device(cupy: Any, x: Any, dev: Any) -> Any:
+    if isinstance(x, int):  # a counter of a state built by hand: kept, as state_to_host keeps it (not int64)
+        return x
     if isinstance(x, cupy.ndarray) and x.device.id != dev.id:
         return x.copy()  # ndarray.copy() copies to the current device, peer to peer
     return cupy.asarray(x)

@@ -128,9 +128,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(name, target_params(selected), indirect=True)
 
 
+def _refuse_a_marker_on_a_param(request: pytest.FixtureRequest) -> None:
+    """An ``array_targets`` marker on one ``pytest.param(..., marks=...)`` cannot narrow the targets: they are
+    parametrized per test function, before pytest reads a case's marks. Until 2026-12-04 it was ignored and the
+    case ran on every target; now the case errors, saying so."""
+    callspec = getattr(request.node, "callspec", None)
+    if any(mark.name == _MARKER for mark in getattr(callspec, "marks", ())):
+        raise TypeError(f"{request.node.nodeid}: the {_MARKER} marker of a pytest.param (marks=...) cannot narrow "
+                        "the targets, which are chosen per test function: put it on the function (or write "
+                        "the case as a test of its own)")
+
+
 @pytest.fixture
 def array_target(request: pytest.FixtureRequest) -> Iterator[Target]:
     """One (backend, device, dtype) of `fismo_core.testing.targets()`, its settings in effect during the test."""
+    _refuse_a_marker_on_a_param(request)
     target: Target = request.param
     with target.configured():
         yield target
@@ -139,6 +151,7 @@ def array_target(request: pytest.FixtureRequest) -> Iterator[Target]:
 @pytest.fixture
 def array_target64(request: pytest.FixtureRequest) -> Iterator[Target]:
     """One float64 (backend, device), its settings in effect during the test."""
+    _refuse_a_marker_on_a_param(request)
     target: Target = request.param
     with target.configured():
         yield target

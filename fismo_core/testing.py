@@ -403,9 +403,10 @@ def _torch_targets() -> Iterator[Target]:
 def _torch_asarray(torch: Any, a: Any, dtype: str, *, device: str) -> Any:
     import numpy as np
 
-    # Cast by NumPy first: torch takes neither a big-endian array (FITS data, a '>f8' file) nor a longdouble
-    # one, and aborted the whole check; NumPy's cast rounds as torch's would.
-    return torch.asarray(np.asarray(a, dtype=dtype), device=device, copy=True)
+    # Cast and copied by NumPy first, into a C-ordered array: torch takes neither a big-endian array (FITS
+    # data, a '>f8' file) nor a longdouble one, nor negative strides (np.flip(x), x[::-1]), and each aborted
+    # the whole check; NumPy's cast rounds as torch's would. The copy is fresh, so torch may share it.
+    return torch.asarray(np.array(a, dtype=dtype, order="C"), device=device)
 
 
 def _jax_targets() -> Iterator[Target]:
@@ -486,11 +487,14 @@ def targets(*, backends: Optional[Iterable[str]] = None, dtypes: Optional[Iterab
         if isinstance(value, str):
             raise TypeError(f"{name} must be a list of names, not the string {value!r}: {name}=[{value!r}]")
     makers = _TARGET_MAKERS
-    chosen = list(makers) if backends is None else list(dict.fromkeys(backends))  # a repeat would run twice
+    asked = list(makers) if backends is None else list(backends)
     wanted = None if dtypes is None else set(dtypes)
-    for name in chosen:
+    for name in asked:
         if name not in makers:
             raise ValueError(f"unknown backend {name!r}: use one of {list(makers)}")
+    # In the library's fixed order, whatever the order given (a set's depends on string hashing, and
+    # pytest-xdist's workers must collect the same tests); a name given twice counts once.
+    chosen = [name for name in makers if name in asked]
     if wanted is not None and not wanted <= set(TOLERANCES):
         raise ValueError(f"unknown dtypes {sorted(wanted - set(TOLERANCES))}: use {list(TOLERANCES)}")
     out: list[Target] = []
@@ -581,7 +585,7 @@ def max_relative_error(got: Any, reference: Any) -> float:
     host = [_host_array(np.asarray(v) if isinstance(v, (list, tuple)) else v) for v in (got, reference)]
     if host[0].shape != host[1].shape:
         raise ValueError(f"shape {host[0].shape} does not match the reference's {host[1].shape}")
-    if all(h.dtype.kind in "biu" for h in host):
+    if all(_is_exact(h) for h in host):
         return _integer_error(*host)
     got, reference = (to_numpy(h) for h in host)
     return float(np.max(relative_errors(got, reference), initial=0.0))
@@ -895,7 +899,7 @@ def _inexact_count(value: Any, reference: Any) -> Optional[str]:
     """
     import numpy as np
 
-    if np.asarray(reference).dtype.kind not in "biu":  # a Python bool or int too
+    if not _is_exact(np.asarray(reference)):  # a Python bool or int too
         return None
     # Their own values, not `to_numpy`'s float64 (exact up to 2**53 only: int64 ids 2**53 + 1 and 2**53
     # compared equal). The dtypes agree here (`_mismatch` came first).
@@ -904,6 +908,22 @@ def _inexact_count(value: Any, reference: Any) -> Optional[str]:
     if not differ:
         return None
     return f"{'it differs' if size == 1 else f'{differ} of {size} entries differ'} (integer and boolean outputs must be equal)"
+
+
+def _is_exact(a: Any) -> bool:
+    """Whether host array ``a`` holds integers or booleans, compared exactly: an integer or boolean dtype, or
+    an object array of Python ints and bools (`_host_array` of an int beyond int64; until 2026-12-04 those
+    were compared within the floating tolerance: ``2**70`` and ``2**70 + 1`` passed)."""
+    if a.dtype.kind in "biu":
+        return True
+    return a.dtype.kind == "O" and a.size > 0 and all(type(v) in (int, bool) for v in a.flat)
+
+
+def _is_ml_dtypes_float(dtype: Any) -> bool:
+    """Whether a NumPy dtype is one of ml_dtypes' floats (bfloat16, float8_*: what ``np.asarray`` of a JAX
+    bfloat16 array gives), which NumPy files under kind ``"V"``, not ``"f"``."""
+    return dtype.kind == "V" and dtype.fields is None and type(dtype).__module__.startswith("ml_dtypes") \
+        and "float" in dtype.name
 
 
 def _integer_error(value: Any, reference: Any) -> float:
@@ -1066,7 +1086,7 @@ def check_backends(
     _check_out_dtypes(out_dtypes)
 
     def inexact(value: Any) -> bool:
-        return isinstance(value, np.ndarray) and value.dtype.kind in "fc"
+        return isinstance(value, np.ndarray) and (value.dtype.kind in "fc" or _is_ml_dtypes_float(value.dtype))
 
     def exact(value: Any) -> bool:
         return isinstance(value, np.ndarray) and value.dtype.kind in "biu"

@@ -33,6 +33,7 @@ read); a test keeps it out.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 import traceback
 from typing import Any
 
@@ -265,6 +266,36 @@ def test_state_helpers_on_the_host() -> None:
     except ImportError:
         with pytest.raises(ImportError, match="pip install cupy-cuda12x"):
             fc.state_to_device(state)
+
+
+def test_state_to_device_keeps_a_hand_built_states_int_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state built by hand has plain-int counters (`FISMOState`'s defaults); ``state_to_device`` made them
+    0-d int64 device arrays, which ``state_to_host`` then returned as int64 (the init's are int32), where
+    ``state_to_host`` keeps a plain int (a user's hunt, 2026-12-04). A stand-in for CuPy's few names the
+    helper uses shows it without a GPU: arrays move, ints stay."""
+    from fismo_core.backends import cupy as fc
+
+    class ndarray:  # noqa: N801  (CuPy's name)
+        def __init__(self, a: Any) -> None:
+            self.host, self.device = np.asarray(a), SimpleNamespace(id=0)
+
+    class Device:
+        def __init__(self, id: int) -> None:
+            self.id = id
+
+        def __enter__(self) -> "Device":
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    stand_in = SimpleNamespace(ndarray=ndarray, asarray=ndarray, cuda=SimpleNamespace(Device=Device))
+    monkeypatch.setattr(fc, "_cupy", lambda: stand_in)
+    state = FISMOState(*FISMO().init(np.ones((4, 3)))[:6])
+    assert type(state.skipped) is int and type(state.root_failures) is int
+    moved = fc.state_to_device(state, 0)
+    assert all(isinstance(getattr(moved, f), ndarray) for f in STATE_FIELDS)
+    assert type(moved.skipped) is int and type(moved.root_failures) is int
 
 
 # ------------------------------------------- no host sync, shown without a GPU

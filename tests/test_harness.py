@@ -1213,3 +1213,98 @@ def test_to_numpy_reads_torchs_lazy_conjugate_and_negative_views() -> None:
     negative = torch.tensor([1.0, 2.0], dtype=torch.float64)._neg_view()
     assert negative.is_neg()
     np.testing.assert_array_equal(to_numpy(negative), np.array([-1.0, -2.0]))
+
+
+def test_reversed_inputs_reach_every_target(target: Target) -> None:
+    """A negative-stride view (``x[::-1]``, ``np.flip``) made ``target.asarray`` raise torch's "At least one
+    stride in the given numpy array is negative", and ``check_backends`` stop with a `HarnessError` for
+    the whole matrix (a user's hunt, 2026-12-04)."""
+    reversed_view = np.flip(X, 0)
+    assert any(s < 0 for s in reversed_view.strides)
+    assert np.array_equal(to_numpy(target.asarray(reversed_view)), reversed_view.astype(target.dtype))
+
+
+def test_check_backends_takes_reversed_arrays() -> None:
+    """Reversed floating and integer arguments (integer ones keep their dtype: they failed on torch's
+    float32 rows as well)."""
+    report = check_backends(lambda a, i: array_namespace(a).take(a, i, axis=0) * 2, np.flip(X, 0), np.arange(3)[::-1])
+    assert report.ok and all(r.passed for r in report if r.target.available), report.table()
+
+
+@pytest.mark.parametrize("order", [["torch", "numpy"], {"numpy", "torch", "jax"}], ids=["list", "set"])
+def test_targets_come_in_the_librarys_order(order: Any) -> None:
+    """A set's order depends on string hashing (``PYTHONHASHSEED``): ``targets(backends={...})`` and the
+    marker listed their targets in another order in each process, and pytest-xdist's workers refused to run
+    ("Different tests were collected between gw0 and gw1"; a user's hunt, 2026-12-04). Whatever the order
+    given, the targets come in the library's."""
+    chosen = [t.backend for t in targets(backends=order)]
+    assert chosen == [t.backend for t in targets() if t.backend in set(order)]
+
+
+def test_a_set_of_backends_collects_the_same_tests_under_every_hash_seed(pytester: pytest.Pytester,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.array_targets(backends={"torch", "numpy", "array_api_strict", "jax"})
+        def test_some(array_target):
+            pass
+        """
+    )
+    collected = set()
+    for seed in ("1", "3", "7"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)  # the subprocess's environment is this one's
+        result = pytester.runpytest_subprocess("-p", "fismo_core.pytest_plugin", "--collect-only", "-q")
+        collected.add(tuple(line for line in result.outlines if "test_some[" in line))
+    assert len(collected) == 1 and len(next(iter(collected))) > 1, collected
+
+
+def test_plugin_refuses_a_marker_on_one_param(pytester: pytest.Pytester) -> None:
+    """A marker on one ``pytest.param`` was ignored: the case ran on every target (a user's hunt,
+    2026-12-04). The targets are chosen per function; such a case now errors, saying so, and the
+    others run."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.array_targets(backends=["numpy"]))])
+        @pytest.mark.array_targets(backends=["numpy"], dtypes=["float64"])
+        def test_some(array_target, n):
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "fismo_core.pytest_plugin", "-q")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*the array_targets marker of a pytest.param (marks=...) cannot narrow*"])
+
+
+def test_bfloat16_numpy_inputs_are_floating() -> None:
+    """``np.asarray`` of a JAX bfloat16 array is an ml_dtypes array, of NumPy kind ``"V"``: alone it was
+    refused ("needs at least one floating ... NumPy array"), and beside a float64 array it reached every
+    backend unconverted (array-api-strict raised, blamed on ``fn``; a user's hunt, 2026-12-04). It is
+    converted to each target's dtype as any floating input."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    narrow = X.astype(ml_dtypes.bfloat16)
+    for args in ((narrow,), (narrow, X)):
+        report = check_backends(lambda *a: sum(a[1:], a[0]) * 2, *args, targets=[
+            t for t in AVAILABLE if t.backend in ("numpy", "array_api_strict")])
+        assert report.ok, report.table()
+    assert testing_mod._is_ml_dtypes_float(narrow.dtype)
+    assert not testing_mod._is_ml_dtypes_float(np.dtype(ml_dtypes.int4))
+
+
+def test_python_ints_beyond_int64_are_compared_exactly() -> None:
+    """A Python int beyond int64 is held as an object array, which was compared within the floating
+    tolerance: 2**70 + 1 against 2**70 passed a float32 row, where 2**62 + 1 against 2**62 failed (a
+    user's hunt, 2026-12-04)."""
+    assert max_relative_error(2**70 + 1, 2**70) > 0
+    assert max_relative_error(2**70, 2**70) == 0
+
+    def count(x: Any) -> int:
+        xp = array_namespace(x)
+        return 2**70 + (0 if is_numpy_namespace(xp) and x.dtype == xp.float64 else 1)
+
+    report = check_backends(count, X, targets=NUMPY)
+    assert report[0].verdict == "pass"
+    assert report[1].mismatches == {"output": "it differs (integer and boolean outputs must be equal)"}
