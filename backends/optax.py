@@ -538,7 +538,7 @@ def scale_by_fismo(
     array_beta = None if isinstance(core.beta, numbers.Number) else core.beta
     programs_core = core if array_beta is None else dataclasses.replace(core, beta=_DEFAULTS.beta)
     leaf_direction, init_on_mesh, update_on_mesh, checked_update_on_mesh = _leaf_programs(programs_core, matrix_shape)
-    checked = _guards.checks_roots(core.inv_root, core.nonfinite)
+    checked = _guards.checks_roots(core.inv_root.fallback, core.nonfinite)
 
     def leaf_update(g: Any, s: FISMOState) -> tuple[Any, FISMOState]:
         """One leaf's direction and state, wherever it lives: on one device op by op (the core's fault

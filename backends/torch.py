@@ -753,7 +753,9 @@ class FISMO(Optimizer):
                     cores.pop(next(iter(cores)))
                 cores[key] = core
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"param group {self._group_index(group)}: {exc}") from exc
+            # The message, not "{exc}": torch 2.11's dynamo cannot format an exception it traced.
+            message = exc.args[0] if len(exc.args) == 1 else str(exc)
+            raise type(exc)(f"param group {self._group_index(group)}: {message}") from exc
         if not torch.compiler.is_compiling():
             # The states must fit a block_size set since, and a matrix moved in from another FISMO group:
             # checked once per group, block_size and list of parameters (not at every step of a schedule of
@@ -776,7 +778,7 @@ class FISMO(Optimizer):
             if group["algorithm"] == "fismo":
                 inv_root = group["inv_root"]  # a dict once checked (`validate_fismo_hparams`), else as written
                 fallback = inv_root.get("fallback") if isinstance(inv_root, dict) else getattr(inv_root, "fallback", None)
-                if _guards.checks_roots(InverseRootConfig(fallback=fallback), nonfinite):
+                if _guards.checks_roots(fallback, nonfinite):
                     return True
         return False
 
@@ -869,7 +871,7 @@ class FISMO(Optimizer):
                 continue
             core = self._core_for(group)
             if core.inv_root.every == 1 or (
-                    torch.compiler.is_compiling() and not _guards.checks_roots(core.inv_root, core.nonfinite)):
+                    torch.compiler.is_compiling() and not _guards.checks_roots(core.inv_root.fallback, core.nonfinite)):
                 continue
             counted.extend((p, core) for p in group["params"] if p.grad is not None)
         if not counted:

@@ -498,9 +498,11 @@ def read_faults(*flags: Any) -> Optional[bool]:
 
 
 # ------------------------------------------------------------------ inverse roots
-def checks_roots(config: Any, nonfinite: str) -> bool:
-    """Whether inverse roots are checked: ``config.fallback``, or by default unless ``nonfinite="propagate"``."""
-    return config.fallback if config.fallback is not None else nonfinite != "propagate"
+def checks_roots(fallback: Optional[bool], nonfinite: str) -> bool:
+    """Whether inverse roots are checked: ``fallback`` (`InverseRootConfig.fallback`), or by default
+    (``None``) unless ``nonfinite="propagate"``. It takes the flag, not the config, so that a compiled torch
+    step can ask it without building a config in the trace."""
+    return fallback if fallback is not None else nonfinite != "propagate"
 
 
 def is_linalg_error(exc: BaseException) -> bool:
@@ -605,7 +607,7 @@ def checked_inverse_sqrt(
     warning) needs host reads and is left to the caller
     ([`FISMO.settle`][fismo_core.FISMO.settle]).
     """
-    if not checks_roots(config, nonfinite):
+    if not checks_roots(config.fallback, nonfinite):
         return structure.inverse_sqrt(A, config), None
     roots, ok = _first_attempt(xp, structure, config, structure.parts(A), batch_ndim)
     return structure.from_parts(tuple(roots)), ~ok
@@ -637,7 +639,7 @@ def guarded_inverse_sqrt(
     when its residual over all blocks, ``sqrt(sum_i ||Z_i A_i Z_i - I||_F^2)``,
     exceeds the tolerance. ``exact`` is the float64 ``eigh`` root of the retry.
     """
-    if not checks_roots(config, nonfinite):
+    if not checks_roots(config.fallback, nonfinite):
         return A, structure.inverse_sqrt(A, config), None
     parts = structure.parts(A)
     roots, ok = _first_attempt(xp, structure, config, parts, batch_ndim)

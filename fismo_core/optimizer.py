@@ -1106,7 +1106,7 @@ class FISMO:
         except Exception as exc:
             # A root that failed its check is NaN here, flagged for later; an SVD polar factor raises on the
             # NaN it gives (NumPy, torch) before the flag is read. The repaired step decides instead.
-            if repair or not (refresh is not False and guards.checks_roots(self.inv_root, self.nonfinite)) \
+            if repair or not (refresh is not False and guards.checks_roots(self.inv_root.fallback, self.nonfinite)) \
                     or not guards.is_linalg_error(exc):
                 raise
             return self._guarded_step(xp, G, state, refresh, repair=True, defer_nonfinite=defer_nonfinite)
@@ -1162,7 +1162,7 @@ class FISMO:
                     f"a RootSchedule needs one flag per matrix of the stack, shape {batch}, got due of shape "
                     f"{tuple(due.shape)}"
                 )
-            if guards.checks_roots(self.inv_root, self.nonfinite):
+            if guards.checks_roots(self.inv_root.fallback, self.nonfinite):
                 raise ValueError(
                     "a RootSchedule needs roots that are not checked (nonfinite='propagate', or "
                     "InverseRootConfig(fallback=False)): it returns no fault flag per matrix"

@@ -143,7 +143,7 @@ def step_flops(m: int, n: int, optimizer: Optional[FISMO] = None, *, refresh_roo
         flops["line 5"] = left + right  # P^{-1/2} G, then the diagonal blocks of its Gram matrix
         if refresh_roots:
             config = opt.inv_root
-            checks = _checks_roots(config, opt.nonfinite)
+            checks = _checks_roots(config.fallback, opt.nonfinite)
             for d in (m, n):
                 for b in block_sizes(d, block):
                     root = inverse_sqrt_flops(b, config.method, config.steps, config.coefficients)

@@ -204,9 +204,9 @@ def test_optax_line_9_without_decay_is_optax_learning_rate_scaling(schedule: boo
 def test_checks_roots_rule() -> None:
     """``fallback=None``: checked unless ``nonfinite="propagate"``; ``True``/``False`` regardless."""
     checks = fismo_core.guards.checks_roots
-    assert [checks(InverseRootConfig(), p) for p in ("raise", "skip", "propagate")] == [True, True, False]
-    assert checks(InverseRootConfig(fallback=True), "propagate")
-    assert not checks(InverseRootConfig(fallback=False), "raise")
+    assert [checks(InverseRootConfig().fallback, p) for p in ("raise", "skip", "propagate")] == [True, True, False]
+    assert checks(True, "propagate")
+    assert not checks(False, "raise")
 
 
 @pytest.mark.parametrize("verdict", [False, True])
@@ -219,7 +219,7 @@ def test_torch_decides_root_checks_by_the_core_rule(monkeypatch: pytest.MonkeyPa
 
     asked = []
 
-    def rule(config, nonfinite):
+    def rule(fallback, nonfinite):
         asked.append(nonfinite)
         return verdict
 
