@@ -41,16 +41,27 @@ class StagedFiles:
 
     def __call__(self, name: str) -> Path:
         """Where to write file ``name`` for now."""
-        target = (self.directory / name).resolve()  # through symbolic links, to the file they name
-        if target.exists() and not target.is_file():
-            raise NotARegularFileError(f"cannot write {self.directory / name}: it exists and is not a regular file")
+        target = writable_target(self.directory / name)
         part = target.parent / f".{target.name}.part"
         self.parts[target] = part
         return part
 
 
 class NotARegularFileError(OSError):
-    """An output name that exists as something else than a regular file (a device, a pipe, a directory)."""
+    """An output name that exists as something else than a regular file (a device, a pipe, a directory), or a
+    symbolic link into a folder that does not exist."""
+
+
+def writable_target(path: Path) -> Path:
+    """The file a write to ``path`` replaces (through symbolic links), or a `NotARegularFileError` if it cannot
+    be a regular file there: checked before a long run as well as at the write (`StagedFiles`)."""
+    target = path.resolve()
+    if target.exists() and not target.is_file():
+        raise NotARegularFileError(f"cannot write {path}: it exists and is not a regular file")
+    if path.is_symlink() and not target.parent.is_dir():  # (a missing folder of path's own is made by the writer)
+        raise NotARegularFileError(f"cannot write {path}: it is a symbolic link into {target.parent}, which is not "
+                                   "a folder")
+    return target
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import signal
 
 
@@ -17,3 +18,15 @@ def end_quietly_on_interrupt() -> None:
     """
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def quiet_worker_init(module: str, name: str) -> None:
+    """A process pool's initializer: `end_quietly_on_interrupt`, then ``module.name()``.
+
+    Named by strings, so that a spawned worker unpickles this light module only (no torch) before its
+    Ctrl-C is quiet: with the demo's own initializer, whose module imports torch, each worker spent
+    its first seconds importing torch with Python's handler, and a Ctrl-C then printed a traceback
+    from each (a user's hunt, 2026-12-04).
+    """
+    end_quietly_on_interrupt()
+    getattr(importlib.import_module(module), name)()

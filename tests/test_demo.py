@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -431,7 +432,12 @@ def test_demo_writes_every_file(tiny_run) -> None:
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n")
         assert len(data) < 150_000, f"{name} is {len(data)} bytes: figures must stay small"
-    payload = json.loads((out / "results.json").read_text())
+    def refuse(constant: str) -> None:  # NaN, Infinity: JavaScript's, which JSON parsers but Python's refuse
+        raise ValueError(f"results.json holds {constant}, which is not JSON")
+
+    payload = json.loads((out / "results.json").read_text(encoding="utf-8"), parse_constant=refuse)
+    # The text task has no accuracy: null (it was a bare NaN until 2026-12-04, a user's hunt).
+    assert {r["final_val_acc"] is None for r in payload["runs"] if r["task"] == "text"} == {True}
     assert payload["command"] == "fismo demo (tiny preset)" and payload["preset"] == "tiny"
     assert payload["cpu_seconds"] > 0 and len(payload["digest"]) == 16
     assert payload["digest_key"] == digest_key()
@@ -695,6 +701,86 @@ def test_a_report_that_cannot_be_written_leaves_the_folder_as_it_was(tiny_run, t
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+@pytest.mark.parametrize("make", ["a link to /dev/null", "a pipe", "a link into a missing folder"])
+def test_a_name_that_cannot_be_a_file_is_refused_before_the_runs(tmp_path: Path, make: str) -> None:
+    """A report name that is a device, a pipe or a link into a missing folder passed the check before the
+    runs and was refused only after them (12 to 40 minutes of the default demo; a user's hunt, 2026-12-04)."""
+    name = tmp_path / "report.md"
+    if make == "a pipe":
+        os.mkfifo(name)
+    else:
+        name.symlink_to("/dev/null" if make == "a link to /dev/null" else tmp_path / "missing" / "report.md")
+    with pytest.raises(OSError, match=r"cannot write the report to .*report\.md: it (exists and is not a regular "
+                                      r"file|is a symbolic link into .*missing, which is not a folder)"):
+        demo.out_directory(str(tmp_path))
+
+
+def test_a_console_without_the_reports_characters(tmp_path: Path) -> None:
+    """On an ASCII (or Latin-1, cp1252) console the report's ``±`` and ``κ`` raised UnicodeEncodeError after
+    every run: a traceback, exit 1, nothing written (report.md was written in the locale's encoding; a
+    user's hunt, 2026-12-04). The files are UTF-8 now, and the console gets the report with ``?`` in place
+    of what it cannot show."""
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONIOENCODING": ""}
+    result = subprocess.run([sys.executable, "-m", "fismo_core", "demo", "--tasks", "digits", "--optimizers", "SGD",
+                             "--seeds", "1", "--steps", "2", "--jobs", "1", "--no-progress", "--out", str(tmp_path)],
+                            capture_output=True, cwd=ROOT, env=env, timeout=300)
+    assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr.decode(errors="replace")
+    assert "±" in (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert b"Result digest" in result.stdout
+
+
+def test_digest_key_names_pytorch_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SOAP is one of the default runs: without pytorch-optimizer, or with another version, the key was the
+    same and the digest another (a user's hunt, 2026-12-04)."""
+    from importlib import metadata
+
+    installed = metadata.version
+
+    def version(package: str) -> str:
+        if package == "pytorch-optimizer":
+            raise metadata.PackageNotFoundError(package)
+        return installed(package)
+
+    assert re.search(r", pytorch-optimizer \S+$", digest_key())
+    monkeypatch.setattr(metadata, "version", version)
+    assert digest_key().endswith(", pytorch-optimizer not installed")
+
+
+def test_figures_of_short_runs_and_of_optimizers_without_measurements(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--optimizers SGD`` wrote an empty condition figure (the κ = 1 line alone) and linked it; one step drew
+    no curve (a line of one point); the accuracy panel showed 0.8 to 1 only, so a short run's 0.1 was off
+    it (a user's hunt, 2026-12-04)."""
+    pytest.importorskip("matplotlib")
+    import fismo_core.demo.report as report_module
+
+    drawn, save = {}, report_module._save
+
+    def keep(fig: Any, path: Path) -> None:  # the figure, by its name (the path is the staged ".NAME.png.part")
+        drawn[path.name.lstrip(".").split(".png")[0]] = fig
+        save(fig, path)
+
+    monkeypatch.setattr(report_module, "_save", keep)
+    results = run_demo(default_config(preset="tiny", tasks=("digits",), optimizers=("SGD", "FISMO"), seeds=1, steps=1,
+                                      jobs=1), progress=False)
+    sgd_only = run_demo(default_config(preset="tiny", tasks=("digits",), optimizers=("SGD",), seeds=1, steps=1, jobs=1),
+                        progress=False)
+    _, files = write_report(sgd_only, tmp_path / "sgd", "fismo demo")
+    assert "digits_condition.png" not in files and "digits_loss.png" in files
+    drawn.clear()
+    write_report(results, tmp_path / "both", "fismo demo")
+    loss = drawn["digits_loss"]
+    for ax in loss.axes:
+        lines = [line for line in ax.get_lines() if len(line.get_xdata()) == 1]
+        assert all(line.get_marker() == "." for line in lines), ax.get_title()
+    accuracy = next(ax for ax in loss.axes if ax.get_title() == "held-out accuracy")
+    lowest = min(min(line.get_ydata()) for line in accuracy.get_lines())
+    assert accuracy.get_ylim()[0] <= lowest
+    for ax in drawn["digits_preconditioner"].axes:
+        assert ax.get_lines() and all(line.get_marker() == "." for line in ax.get_lines()), ax.get_title()
+
+
 def test_a_folder_with_the_name_of_a_report_file_is_refused_before_the_runs(tmp_path: Path) -> None:
     """``summary.csv`` a folder: the whole demo ran, then ``IsADirectoryError`` with report.md and the figures
     written and the other tables not (a user's hunt, 2026-12-03). Refused before any run now, exit 2."""
@@ -761,6 +847,33 @@ def test_ctrl_c_ends_a_demo_worker_without_a_traceback() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(-2)  # killed by SIGINT (2)
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
+def test_a_demo_worker_is_quiet_on_ctrl_c_before_it_imports_torch() -> None:
+    """A spawned worker unpickles its pool's initializer first: the demo's lived in a module that imports torch,
+    so for its first seconds a worker had Python's handler and a terminal's Ctrl-C printed a traceback from
+    each (a user's hunt, 2026-12-04). Unpickled in a fresh process, the initializer now imports no torch,
+    and a worker made by it ends silently on SIGINT with one torch thread (the demo's own setting)."""
+    script = (
+        "import pickle, sys\n"
+        "from fismo_core.demo.run import worker_pool\n"
+        "pool = worker_pool(1)\n"
+        "print(pickle.dumps((pool._initializer, pool._initargs)).hex())\n"
+    )
+    made = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    check = (
+        "import pickle, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"init, args = pickle.loads(bytes.fromhex({made.stdout.strip()!r}))\n"
+        "assert 'torch' not in sys.modules, 'unpickling the initializer imported torch'\n"
+        "init(*args)\n"
+        "import torch\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.SIG_DFL, torch.get_num_threads())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "1"]
 
 
 @pytest.mark.parametrize("missing", ["torch", "sklearn"])

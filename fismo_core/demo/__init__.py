@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .._paths import cannot_write_in
+from .._paths import NotARegularFileError, cannot_write_in
 from .config import DemoConfig, TaskPlan, default_config
 from .run import DemoResults, run_demo
 
@@ -60,9 +60,19 @@ def main(
         print(f"fismo demo: cannot write the report to {out}: {exc.strerror or exc}{where}; nothing was written "
               "there", file=sys.stderr)
         return 2
-    print(report)
+    _print_in_any_encoding(report)
     print(wrote_line(out, files, results.seconds, results.cpu_seconds))
     return 0
+
+
+def _print_in_any_encoding(text: str) -> None:
+    """Print ``text``, its characters that the console's encoding lacks (``±``, ``κ`` on an ASCII or Latin-1
+    console) replaced: the report is written, and a traceback here ended the demo with exit status 1."""
+    try:
+        print(text)
+    except UnicodeEncodeError:
+        encoding = sys.stdout.encoding or "ascii"
+        print(text.encode(encoding, errors="replace").decode(encoding))
 
 
 def out_directory(out: str) -> Path:
@@ -83,6 +93,8 @@ def out_directory(out: str) -> Path:
     except IsADirectoryError as exc:
         raise OSError(f"cannot write the report to {out}: {exc.filename} is a folder; the report writes a file "
                       "of that name") from None
+    except NotARegularFileError as exc:  # a device, a pipe, a link into a missing folder
+        raise OSError(f"cannot write the report to {out}: {exc}") from None
     return path
 
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._paths import StagedFiles, staged_files
+from .._paths import StagedFiles, staged_files, writable_target
 from .optimizers import CONDITION_OPTIMIZERS, control_base, control_change
 from .run import DemoResults
 from .train import RunResult
@@ -164,6 +164,11 @@ def _markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]], align:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _has_rows(table: str) -> bool:
+    """Whether a `_markdown_table` has a row under its header and rule."""
+    return table.count("\n") > 1
 
 
 def summary_table(results: DemoResults, task: str) -> str:
@@ -440,6 +445,11 @@ def _mean_curve(
     return steps, mean, low, high
 
 
+def _lone(steps: Sequence[float]) -> Optional[str]:
+    """A marker for a curve of one point (``--steps 1``), which a line alone does not draw."""
+    return "." if len(steps) == 1 else None
+
+
 def _plot_losses(results: DemoResults, task: str, title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -457,15 +467,16 @@ def _plot_losses(results: DemoResults, task: str, title: str, path: Path) -> Non
             if attr == "train_loss":  # the first point is the held-out loss at initialisation
                 steps, mean, low, high = steps[1:], mean[1:], low[1:], high[1:]
             colour = _COLOURS.get(opt)
-            ax.plot(steps, mean, label=f"{opt} (lr {runs[0].lr:g})", color=colour, lw=1.4)
+            ax.plot(steps, mean, label=f"{opt} (lr {runs[0].lr:g})", color=colour, lw=1.4, marker=_lone(steps))
             if len(runs) > 1:
                 ax.fill_between(steps, low, high, color=colour, alpha=0.15, lw=0)
         ax.set_xlabel("step")
         ax.set_title(label, fontsize=10)
         if attr != "val_acc":
             ax.set_yscale("log")
-        else:
-            ax.set_ylim(0.8, 1.0)
+        else:  # from 0.8, or lower where a curve is (a short run's 0.1 left the panel empty)
+            lowest = ax.dataLim.y0
+            ax.set_ylim(min(0.8, lowest) if math.isfinite(lowest) else 0.8, 1.0)
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7)
     n = max((len(_selected(results, task, o)) for o in _optimizers(results)), default=0)
@@ -490,7 +501,7 @@ def _plot_blocks(results: DemoResults, task: str, title: str, path: Path) -> Non
             b = _block_size(name)
             style = "-" if b is None else _BLOCK_STYLES[sizes.index(b) % len(_BLOCK_STYLES)]
             label = f"{name} (lr {runs[0].lr:g})" if b is None else f"{base}, B = {b}"
-            ax.plot(steps[1:], mean[1:], ls=style, color=_COLOURS[base], lw=1.3, label=label)
+            ax.plot(steps[1:], mean[1:], ls=style, color=_COLOURS[base], lw=1.3, label=label, marker=_lone(steps[1:]))
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss")
@@ -530,11 +541,12 @@ def _plot_preconditioners(results: DemoResults, task: str, title: str, path: Pat
         if not runs or not runs[0].history.cond_P:
             continue
         h, colour = runs[0].history, _COLOURS[opt]
-        axes[0].plot(h.measure_step, h.cond_P, color=colour, label=f"{opt}: cond(P)")
-        axes[0].plot(h.measure_step, h.cond_Q, color=colour, ls="--", label=f"{opt}: cond(Q)")
-        axes[1].plot(h.measure_step, h.P_dev, color=colour, label=f"{opt}: ‖P−I‖/√m")
-        axes[1].plot(h.measure_step, h.Q_dev, color=colour, ls="--", label=f"{opt}: ‖Q−I‖/√n")
-        axes[2].plot(h.measure_step, h.grad_rms, color=colour, label=opt)
+        marker = _lone(h.measure_step)
+        axes[0].plot(h.measure_step, h.cond_P, color=colour, label=f"{opt}: cond(P)", marker=marker)
+        axes[0].plot(h.measure_step, h.cond_Q, color=colour, ls="--", label=f"{opt}: cond(Q)", marker=marker)
+        axes[1].plot(h.measure_step, h.P_dev, color=colour, label=f"{opt}: ‖P−I‖/√m", marker=marker)
+        axes[1].plot(h.measure_step, h.Q_dev, color=colour, ls="--", label=f"{opt}: ‖Q−I‖/√n", marker=marker)
+        axes[2].plot(h.measure_step, h.grad_rms, color=colour, label=opt, marker=marker)
     titles = ("condition numbers (mean over matrices)", "distance from the identity", "gradient RMS σ")
     for ax, label in zip(axes, titles):
         ax.set_yscale("log")
@@ -549,7 +561,7 @@ def _plot_preconditioners(results: DemoResults, task: str, title: str, path: Pat
 
 # ---------------------------------------------------------------- files
 def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-    with path.open("w", newline="") as f:
+    with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(header)
         writer.writerows(rows)
@@ -590,7 +602,9 @@ def digest_key() -> str:
     capability, e.g. AVX2 or AVX512; ``ATEN_CPU_CAPABILITY`` and
     ``ONEDNN_MAX_CPU_ISA`` or its older name ``DNNL_MAX_CPU_ISA`` force others), and kernels of another
     instruction set round differently; and whether bfloat16 is native
-    (``bfloat16_is_native``), which decides FISMO-T's precision. The demo does no NumPy linear
+    (``bfloat16_is_native``), which decides FISMO-T's precision; and pytorch-optimizer's version, whose
+    SOAP is one of the runs (since 2026-12-04: a run without it, or with another, printed the same key and
+    another digest). The demo does no NumPy linear
     algebra, so OpenBLAS's kernels are not part of the key. Two runs with
     the same key and configuration give the same digest; with another key
     the digest is expected to differ, so compare digests only under equal
@@ -600,10 +614,12 @@ def digest_key() -> str:
 
     from .. import __version__
 
-    try:
-        sklearn = metadata.version("scikit-learn")
-    except metadata.PackageNotFoundError:
-        sklearn = "not installed"
+    versions = {}
+    for package in ("scikit-learn", "pytorch-optimizer"):  # the data's splits; SOAP's step
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
     from ..backends.torch import bfloat16_is_native, onednn_isa_limit
 
     # FISMO-T computes in bfloat16 only where it is native (FISMO.training's rule).
@@ -614,7 +630,8 @@ def digest_key() -> str:
     if forced:
         kernels += f", forced by {' '.join(forced)}"
     return (f"fismo {__version__}, Python {platform.python_version()}, torch {torch.__version__} "
-            f"({kernels}, {platform.machine()}), scikit-learn {sklearn}")
+            f"({kernels}, {platform.machine()}), scikit-learn {versions['scikit-learn']}, "
+            f"pytorch-optimizer {versions['pytorch-optimizer']}")
 
 
 def digest(results: DemoResults) -> str:
@@ -632,6 +649,17 @@ def digest(results: DemoResults) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _finite_or_null(value: Any) -> Any:
+    """``value`` (nested dicts and lists) with every non-finite float made ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 def _minutes(seconds: float) -> str:
     """``95 s``, or ``5 min 00 s`` from two minutes on (rounded to the second first)."""
     whole = round(seconds)
@@ -647,10 +675,13 @@ FIGURES = tuple(f"{task}_{kind}.png" for task in ("digits", "text")
 
 def in_the_way(out: Path) -> None:
     """An `IsADirectoryError` if a folder in ``out`` has the name of a file of the report (`TABLES`, `FIGURES`):
-    found after the runs, it left half of the report written (a user's hunt, 2026-12-03)."""
+    found after the runs, it left half of the report written (a user's hunt, 2026-12-03); a
+    `NotARegularFileError` if another name cannot be a regular file (a device, a pipe, a link into a missing
+    folder), which the write refused after the runs too (a user's hunt, 2026-12-04)."""
     for name in (*TABLES, *FIGURES):
         if (out / name).is_dir():
             raise IsADirectoryError(errno.EISDIR, "a folder has the name of a file of the report", str(out / name))
+        writable_target(out / name)
 
 
 def write_report(results: DemoResults, out: Path, command: str) -> tuple[str, list[str]]:
@@ -705,7 +736,9 @@ def _write_report(results: DemoResults, out: Path, command: str, staged: StagedF
         parts.append("\n**Figures skipped**: matplotlib is not installed (pip install matplotlib).")
     for task, title in _tasks(results):
         plan = next(p for p in results.config.plans if p.task.name == task)
-        figures = [("loss", _plot_losses), ("condition", _plot_condition)]
+        figures = [("loss", _plot_losses)]
+        if _has_rows(condition_table(results, task)):  # not --optimizers SGD alone: a plot with no curve
+            figures.append(("condition", _plot_condition))
         if any(r.task == task and r.history.cond_P for r in results.runs):  # FISMO was run
             figures.append(("preconditioner", _plot_preconditioners))
         blocks = blocking_table(results, task)
@@ -735,7 +768,7 @@ def _write_report(results: DemoResults, out: Path, command: str, staged: StagedF
         for heading, table in (("Condition number of the updates of the hidden matrices:", condition_table),
                                ("FISMO's preconditioners:", preconditioner_table)):
             written_table = table(results, task)
-            if written_table.count("\n") > 1:  # a header, its rule, and at least one row
+            if _has_rows(written_table):
                 parts += ["", heading, "", written_table]
         if blocks:
             parts += ["", "Block-diagonal factors (same lr and seeds as the full factors):", "", blocks]
@@ -758,7 +791,7 @@ def _write_report(results: DemoResults, out: Path, command: str, staged: StagedF
         if plots:
             parts += ["", *(f"![{task} {kind}]({task}_{kind}.png)" for kind, _ in figures)]
     report = "\n".join(parts) + "\n"
-    staged("report.md").write_text(report)
+    staged("report.md").write_text(report, encoding="utf-8")  # not the locale's: it has ±, κ, σ
 
     rows = summarise(results)
     keys = ["task", "optimizer", "lr_grid", "lr", "seeds", "val_loss_mean", "val_loss_std", "val_acc_mean",
@@ -791,5 +824,8 @@ def _write_report(results: DemoResults, out: Path, command: str, staged: StagedF
                   for (t, o), lrs in results.grids.items()],
         "runs": [r.to_dict() for r in results.runs],
     }
-    staged("results.json").write_text(json.dumps(payload, indent=1, default=str))
+    # Standard JSON: a NaN (the text task's accuracy) or an infinity (a diverged run) is null, not JavaScript's
+    # NaN, which JSON parsers other than Python's refuse (a user's hunt, 2026-12-04).
+    staged("results.json").write_text(json.dumps(_finite_or_null(payload), indent=1, default=str, allow_nan=False),
+                                      encoding="utf-8")
     return report, [*TABLES, *written]

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._workers import end_quietly_on_interrupt
+from .._workers import quiet_worker_init
 from .config import DemoConfig, TaskPlan
 from .optimizers import MUON_CONTROLS, control_base, soap_available
 from .train import History, RunResult, RunSpec, train
@@ -95,11 +95,6 @@ def _spec(plan: TaskPlan, optimizer: str, lr: float, seed: int) -> RunSpec:
 
 def _worker_init() -> None:
     torch.set_num_threads(1)
-
-
-def _pool_worker_init() -> None:
-    end_quietly_on_interrupt()
-    _worker_init()
 
 
 def _train_one_thread(spec: RunSpec) -> RunResult:
@@ -179,7 +174,7 @@ def run_many(
 def worker_pool(jobs: int) -> ProcessPoolExecutor:
     """``jobs`` fresh worker processes (spawned, so nothing leaks in from this one), one torch thread each."""
     return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_pool_worker_init)
+                               initializer=quiet_worker_init, initargs=(__name__, "_worker_init"))
 
 
 class _NoBar:
