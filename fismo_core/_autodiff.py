@@ -53,7 +53,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, device
 
 Array = Any
 
@@ -72,9 +72,10 @@ def inverse_sqrt_derivative(V: Array, F: Array, E: Array) -> tuple[Array, Array]
     symmetric), so the same map gives the gradient of a loss from the root's."""
     xp = array_namespace(V)
     E = xp.astype(E, V.dtype, copy=False)
-    Vt = xp.matrix_transpose(V)
-    S = Vt @ ((E + xp.matrix_transpose(E)) / 2) @ V
-    return V @ (F * S) @ Vt, xp.linalg.diagonal(S)
+    Vt = V.mT  # .mT, not xp.matrix_transpose (torch.swapaxes), nor xp.linalg.diagonal below: torch's batched
+    S = Vt @ ((E + E.mT) / 2) @ V  # gradients (is_grads_batched, jacobian(vectorize=True)) have no rule for those
+    eye = xp.eye(S.shape[-1], dtype=S.dtype, device=device(S))
+    return V @ (F * S) @ Vt, xp.sum(S * eye, axis=-1)  # the diagonal, exactly (the rest adds zeros)
 
 
 def polar_svd_derivative(U: Array, S: Array, Vh: Array, keep: Optional[Array], E: Array) -> Array:
@@ -84,12 +85,12 @@ def polar_svd_derivative(U: Array, S: Array, Vh: Array, keep: Optional[Array], E
     E = xp.astype(E, U.dtype, copy=False)
     if keep is None:
         return xp.zeros_like(E)
-    EV, UtE = E @ xp.matrix_transpose(Vh), xp.matrix_transpose(U) @ E
-    K = UtE @ xp.matrix_transpose(Vh)
+    EV, UtE = E @ Vh.mT, U.mT @ E  # .mT: as in inverse_sqrt_derivative
+    K = UtE @ Vh.mT
     kept_pairs = keep[..., :, None] * keep[..., None, :]
     # A cut pair's entry is 0 times anything finite: its denominator and 1 / s are taken as 1 there.
     sums = xp.where(kept_pairs > 0, S[..., :, None] + S[..., None, :], xp.ones_like(kept_pairs))
-    Omega = kept_pairs * (K - xp.matrix_transpose(K)) / sums
+    Omega = kept_pairs * (K - K.mT) / sums
     inverse = keep / xp.where(keep > 0, S, xp.ones_like(S))  # S_k^{-1}, 0 for a cut value
     # With U_k^T E V = diag(keep) K and inverse 0 where keep is: the second term is
     # (EV - U diag(keep) K) diag(inverse) V^T, the third U diag(inverse) (U^T E - K diag(keep) V^T).
