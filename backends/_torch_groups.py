@@ -820,7 +820,10 @@ def _head_parameters(module: torch.nn.Module, head: HeadSpec) -> tuple[set[int],
         # A torch.compile'd model names everything "_orig_mod." first, a DDP one "module.": a name is the
         # model's own (the wrapper's, as named_parameters() gives it, is taken too).
         inner = _unwrapped(module)
-        named = {**dict(module.named_parameters()), **dict(inner.named_parameters())}
+        # Every name of a shared parameter: a head tied to the embedding is named after the embedding alone by
+        # named_parameters(), and head="lm_head.weight" was refused on GPT-2 (a user's hunt, 2026-12-04).
+        named = {**dict(module.named_parameters(remove_duplicate=False)),
+                 **dict(inner.named_parameters(remove_duplicate=False))}
         if head in named:
             return {id(named[head])}, repr(head)
         for owner in (inner, module):

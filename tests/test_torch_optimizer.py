@@ -931,6 +931,16 @@ def test_param_groups_head_override():
     assert fismo == {id(conv[0].weight), id(conv[1].weight)}
 
 
+def test_param_groups_head_named_where_it_is_tied_to_the_embedding():
+    """A head tied to the embedding (GPT-2, LLaMA with tie_word_embeddings) is named by named_parameters()
+    after the embedding alone: ``head="lm_head.weight"`` was refused, "neither a submodule nor a parameter"
+    (a user's hunt, 2026-12-04). Each of its names picks it."""
+    lm = _TinyLM(tied=True)
+    for head in ("lm_head.weight", "tok.weight", "lm_head"):
+        fismo, adamw = _split(param_groups(lm, head=head))
+        assert id(lm.lm_head.weight) in adamw and id(lm.lm_head.weight) not in fismo, head
+
+
 def test_param_groups_on_the_tensors_real_models_hold():
     """A user's hunt through Hugging Face models (2026-11-28): a 0-d parameter (CLIP's ``logit_scale``)
     raised IndexError; a column outside a layer's weight (weight norm's ``(out, 1)`` magnitude, a rank-1
