@@ -197,7 +197,7 @@ def _stored_coefficients(coefficients: Any) -> bool:
 
 
 def _specialised(value: Any) -> Any:
-    """``value`` (a core key, or a dict of a core's numbers) with every number concrete, one graph per value as in eager mode.
+    """``value`` (a core key) with every number concrete, one graph per value as in eager mode.
 
     Once two compiled optimizers have read different floats at the same place (a sweep over
     ``mu``), dynamo traces that float symbolically ("automatic dynamic"); a core built from it
@@ -206,8 +206,6 @@ def _specialised(value: Any) -> Any:
     """
     if isinstance(value, tuple):
         return tuple(_specialised(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _specialised(v) for k, v in value.items()}
     if value is None or isinstance(value, (bool, str, torch.Tensor)):  # a tensor beta: a graph input
         return value
     return guard_scalar(value)
@@ -231,6 +229,9 @@ def make_core(key: tuple) -> _CoreFISMO:
     unless ``inv_root`` sets ``fallback``.
     """
     beta, gamma, mu, polar, inv_root, nesterov, statistics, nonfinite, block_size = key
+    # Given, not left to the constructor's defaults, and concrete: under dynamic=True torch 2.11's dynamo reads
+    # those float defaults symbolically, and the core's checks of them (math.isfinite) broke the graph.
+    lr, weight_decay = _specialised((CORE_DEFAULTS.lr, CORE_DEFAULTS.weight_decay))
     inv_root = InverseRootConfig(**dict(inv_root))
     inv_root = dataclasses.replace(inv_root, fallback=_guards.checks_roots(inv_root.fallback, nonfinite))
     return _CoreFISMO(
@@ -244,9 +245,8 @@ def make_core(key: tuple) -> _CoreFISMO:
         # "raise": a non-finite G is flagged (and computed as 0) for the step's one read; the adapter raises.
         nonfinite="raise" if nonfinite == "raise" else "propagate",
         block_size=block_size,
-        # Given, not left to the constructor's defaults, and concrete: under dynamic=True torch 2.11's dynamo
-        # reads those float defaults symbolically, and the core's checks of them (math.isfinite) broke the graph.
-        **_specialised({"lr": CORE_DEFAULTS.lr, "weight_decay": CORE_DEFAULTS.weight_decay}),
+        lr=lr,
+        weight_decay=weight_decay,
     )
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from fismo_core._autodiff import inverse_sqrt_derivative, inverse_sqrt_divided_differences, polar_svd_derivative
 from fismo_core.linalg import _eigh_root_parts, _svd_polar_parts
@@ -108,11 +110,16 @@ class PolarBySVDForwardMode(PolarBySVD):
 
 
 def _differentiated(A: torch.Tensor) -> bool:
-    """Whether a forward-mode rule's result is itself differentiated (``jacrev(jacfwd(f))``, a tangent taken
-    back by ``autograd.grad``): then its decomposition is taken again, from ``A``, where the saved one is
-    marked non-differentiable and an outer derivative took it as constant (wrong by 0.4 to 1.6 relative
-    at distinct eigenvalues until 2026-12-04; a user's hunt)."""
-    return torch.is_grad_enabled() and (A.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(A))
+    """Whether a forward-mode rule's result is itself differentiated in reverse (``jacrev(jacfwd(f))``, a
+    tangent taken back by ``autograd.grad``): then its decomposition is taken again, from ``A``, where the
+    saved one is marked non-differentiable and an outer derivative took it as constant (wrong by 1.3 to 1.6
+    relative at distinct eigenvalues until 2026-12-04; a user's hunt). Asked of autograd (``A`` requires
+    grad) and of torch.func's stack of transforms (a ``grad`` transform outside this forward-mode one; the
+    transforms inside it are set aside while the rule runs), so that forward mode alone (``jacfwd``,
+    ``torch.func.jvp``, ``hessian``) decomposes once."""
+    if A.requires_grad and torch.is_grad_enabled():
+        return True
+    return any(interpreter.key() == TransformType.Grad for interpreter in retrieve_all_functorch_interpreters())
 
 
 def _polar_derivative(X: torch.Tensor, parts: list, E: torch.Tensor) -> torch.Tensor:

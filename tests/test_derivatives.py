@@ -193,6 +193,30 @@ def test_torch_forward_ad_takes_the_rules() -> None:
     assert _relative_error(Q.numpy(), (D.numpy() - D.numpy().T) / 8) <= 1e-12
 
 
+def test_torch_forward_mode_alone_decomposes_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward-mode rule decomposes again only where its result is differentiated in reverse
+    (`test_second_derivative_is_the_librarys_own`'s ``jacrev(jacfwd(f))``): ``jacfwd``, ``torch.func.jvp``
+    and ``hessian`` (forward over reverse, whose backward decomposes on its own) call ``eigh`` as often as
+    before that fix, once per forward pass."""
+    torch = pytest.importorskip("torch")
+    import fismo_core._autodiff_torch as rules_module
+
+    calls = []
+    parts = rules_module._eigh_root_parts
+    monkeypatch.setattr(rules_module, "_eigh_root_parts", lambda A: (calls.append(1), parts(A))[1])
+    A = torch.tensor(_symmetric(np.random.default_rng(4), 3) + 4 * np.eye(3))
+    root = lambda A: inverse_sqrt(A, check=False)  # noqa: E731
+    for name, run, expected in [
+        ("jacfwd", lambda: torch.func.jacfwd(root)(A), 1),
+        ("jvp", lambda: torch.func.jvp(root, (A,), (A,)), 1),
+        ("hessian", lambda: torch.func.hessian(lambda A: root(A).sum())(A), 2),  # forward, and backward's own
+        ("jacrev(jacfwd)", lambda: torch.func.jacrev(torch.func.jacfwd(lambda A: root(A).sum()))(A), 2),
+    ]:
+        calls.clear()
+        run()
+        assert len(calls) == expected, name
+
+
 @pytest.mark.parametrize("function", ["inverse_sqrt", "polar"])
 def test_torch_batched_derivatives_through_the_rules(function: str) -> None:
     """torch's batched gradients (``jacobian(vectorize=True)``, forward-mode too, ``hessian(vectorize=True)``,
