@@ -686,6 +686,7 @@ def check_grads(param_groups: list, process_group: Any = None) -> GradientChecks
     flags are returned unread, so the step reads them together with the
     core's fault flags in one host read (`GradientChecks.pending`).
     """
+    relayout = []  # DTensor gradients laid out otherwise than their parameters, changed once all checks pass
     for gi, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
             g = p.grad
@@ -705,11 +706,7 @@ def check_grads(param_groups: list, process_group: Any = None) -> GradientChecks
                 if tuple(g.shape) != tuple(p.shape):
                     raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}")
                 if is_dtensor(p) and is_dtensor(g) and tuple(g.placements) != tuple(p.placements):
-                    # A Replicate() matrix's Partial(sum) gradient (data parallelism through DTensor): each
-                    # rank stepped on its own partial sum and the replicas parted, 0.2-0.5 off the single
-                    # process (a user's hunt, 2026-12-04). The gradient is laid out as its parameter, one
-                    # collective, as torch.optim's DTensor arithmetic does implicitly; p.grad then holds it.
-                    p.grad = g.redistribute(p.device_mesh, p.placements)
+                    relayout.append(p)
             elif tuple(g.shape) != tuple(p.shape):  # torch.optim.AdamW raised (or broadcast), after the FISMO groups
                 raise ValueError(f"{name} has shape {tuple(p.shape)} but its gradient {tuple(g.shape)}; nothing was "
                                  "stepped")
@@ -719,6 +716,13 @@ def check_grads(param_groups: list, process_group: Any = None) -> GradientChecks
                     "step as torch.optim.AdamW, which needs the parameter's dtype: leave grad_dtype unset on "
                     "their parameters (FISMO groups take a gradient of any floating dtype); nothing was stepped"
                 )
+    for p in relayout:
+        # A Replicate() matrix's Partial(sum) gradient (data parallelism through DTensor): each rank stepped on
+        # its own partial sum and the replicas parted, 0.2-0.5 off the single process (a user's hunt,
+        # 2026-12-04). The gradient is laid out as its parameter, one collective, as torch.optim's DTensor
+        # arithmetic does implicitly; p.grad then holds it. After the checks above, so a refused step leaves
+        # every p.grad as it was.
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     checks = _finiteness_flags(param_groups)
     policy = [param_groups[gi].get("nonfinite", CORE_DEFAULTS.nonfinite) for gi, *_ in checks]
     skipping = [c for c, rule in zip(checks, policy) if rule == "skip"]

@@ -855,6 +855,33 @@ def test_param_groups_sees_through_ddp_to_the_models_own_head(one_rank_group):
         assert ids(param_groups(ddp, head=head)) == ids(param_groups(model, head="lm_head")), head
 
 
+def test_a_refused_step_leaves_a_partial_gradient_as_it_was(one_rank_group):
+    """A ``Replicate()`` matrix's ``Partial()`` gradient is laid out as its parameter before the step (the
+    test of partial gradients above). That happened while the gradients were still being checked, so a
+    later matrix's bad gradient refused the step with the first one's gradient already changed (a
+    collective run, p.grad replaced). It happens after every check now: a refused step changes no p.grad."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from fismo_core.backends.torch import FISMO
+
+    mesh = init_device_mesh("cpu", (1,))
+    gen = torch.Generator().manual_seed(0)
+    A, B = (torch.nn.Parameter(DTensor.from_local(torch.randn(4, 3, generator=gen), mesh, [Replicate()]))
+            for _ in range(2))
+    opt = FISMO([A, B], lr=0.02)
+    partial = DTensor.from_local(torch.randn(4, 3, generator=gen), mesh, [Partial()])
+    B.grad_dtype = None  # lets an integer gradient be assigned, the bad input here
+    A.grad, B.grad = partial, DTensor.from_local(torch.randn(4, 3, generator=gen).to(torch.int64), mesh,
+                                                 [Replicate()])
+    with pytest.raises(TypeError, match="non-floating gradient"):
+        opt.step()
+    assert A.grad is partial and tuple(A.grad.placements) == (Partial(),)
+    B.grad = DTensor.from_local(torch.randn(4, 3, generator=gen), mesh, [Replicate()])
+    opt.step()
+    assert tuple(A.grad.placements) == (Replicate(),)
+
+
 @pytest.mark.parametrize("layout", ["shard-twice", "partial"])
 def test_unsupported_dtensor_layouts_are_refused_with_what_is_supported(one_rank_group, layout):
     """A matrix sharded on two mesh dimensions (FSDP2 combined with tensor parallelism) or held as a
