@@ -673,16 +673,29 @@ def numpy_scalar_keys(group: dict) -> list[str]:
 
 
 def plain_numbers(group: dict) -> dict:
-    """A saved group's NumPy scalars (also inside a tuple: ``betas``) as Python numbers, and the group.
+    """A saved group's NumPy scalars as Python numbers, also inside a tuple (``betas``) or a dict (``polar``,
+    ``inv_root``), and the group.
 
-    The step stores them so (`check_group_settings`, `core_key`); one written after the last step (a
+    The step stores top-level ones so (`check_group_settings`, `core_key`); one written after the last step (a
     schedule computed with NumPy) would reach a ``state_dict`` that ``torch.load(weights_only=True)``
-    refuses. Only for ``state_dict``'s copies of the groups: the live group is the step's to check."""
-    numpy: Any = sys.modules.get("numpy")  # present whenever a key is found
-    for key in numpy_scalar_keys(group):
-        value = group[key]
-        group[key] = (tuple(v.item() if isinstance(v, numpy.generic) else v for v in value)
-                      if isinstance(value, tuple) else value.item())
+    refuses. Only for ``state_dict``'s copies of the groups (nested dicts copied first, `own_nested_options`):
+    the live group is the step's to check."""
+    numpy: Any = sys.modules.get("numpy")
+    if numpy is None:  # no NumPy scalar can exist
+        return group
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, numpy.generic):
+            return value.item()
+        if isinstance(value, tuple):
+            return tuple(plain(v) for v in value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    for key, value in group.items():
+        if key != "params":
+            group[key] = plain(value)
     return group
 
 

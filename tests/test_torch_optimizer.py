@@ -1593,12 +1593,19 @@ def test_a_numpy_scalar_written_after_a_step_reaches_no_state_dict():
     opt.param_groups[0]["lr"] = np.float64(0.01)
     opt.param_groups[1]["lr"] = np.float64(1e-4)
     opt.param_groups[1]["betas"] = (np.float64(0.9), 0.95)
+    # Inside the polar and inv_root dicts too (a user's hunt, 2026-12-04: refused by torch.load until then)
+    opt.param_groups[0]["polar"]["steps"] = np.int64(4)
+    opt.param_groups[0]["polar"]["coefficients"] = ((np.float64(3.4445), -4.775, 2.0315),)
+    opt.param_groups[0]["inv_root"]["every"] = np.int64(3)
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)
     groups = torch.load(buffer, weights_only=True)["param_groups"]
     assert groups[0]["lr"] == 0.01 and type(groups[0]["lr"]) is float
     assert groups[1]["betas"] == (0.9, 0.95) and type(groups[1]["betas"][0]) is float
+    assert type(groups[0]["polar"]["steps"]) is int and type(groups[0]["inv_root"]["every"]) is int
+    assert groups[0]["polar"]["coefficients"] == ((3.4445, -4.775, 2.0315),)
+    assert type(opt.param_groups[0]["inv_root"]["every"]) is np.int64  # the live group is not changed
 
 
 @pytest.mark.numbers
