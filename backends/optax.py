@@ -868,8 +868,9 @@ def fismo_training(
     The arguments mean what they mean in ``optax.contrib.muon`` (its
     defaults, but ``weight_decay``): ``ns_coeffs`` (one ``(a, b, c)`` triple,
     or a sequence of at most ``ns_steps`` triples, run once each), ``ns_steps``
-    and ``eps`` are line 8's Newton–Schulz iteration, in the leaves' dtype as
-    optax runs it; ``beta`` is FISMO's ``beta``; the matrix leaves' step is
+    and ``eps`` are line 8's Newton–Schulz iteration, in the state's dtype (the
+    leaves', float32 for bfloat16 and float16 leaves; optax runs it in the
+    gradient's); ``beta`` is FISMO's ``beta``; the matrix leaves' step is
     scaled by optax's ``sqrt(max(1, fan_out / fan_in))``
     (``consistent_rms=c``: ``c sqrt(max(fan_in, fan_out))``), the weight decay not,
     with ``(fan_in, fan_out)`` a 2-D leaf's shape, or for a leaf of more dimensions
@@ -879,7 +880,7 @@ def fismo_training(
     (``adam_*``, the same ``eps`` and ``nesterov``). On top come the core's
     [`TRAINING`][fismo_core.optimizer.TRAINING]: scale-invariant statistics,
     Nesterov, decoupled weight decay 0.1, damping ``mu`` 0.1, roots every 10 steps, blocks of 512 on
-    longer sides; the preconditioners' products in the leaves' dtype, as the iteration (the torch
+    longer sides; the preconditioners' products in the state's dtype, as the iteration (the torch
     adapter's are in bfloat16, as ``torch.optim.Muon``'s iteration). It is *not*
     Algorithm 1, which stays [`fismo`][fismo_core.backends.optax.fismo].
 
@@ -894,7 +895,8 @@ def fismo_training(
     are refused, naming FISMO's spelling.
 
     ``gamma``, ``mu``, ``polar``, ``inv_root``, ``statistics`` and
-    ``block_size`` are the core's; given, they override the preset by
+    ``block_size`` are the core's (``polar=None`` and ``inv_root=None``
+    mean the preset's, as not given); given, they override the preset by
     [`training_options`][fismo_core.optimizer.training_options] (``ns_coeffs``, ``ns_steps`` or ``eps``
     given with another value than its default beside a ``polar`` that sets the same field otherwise is
     refused, naming both: [`check_muon_polar`][fismo_core.optimizer.check_muon_polar]).
@@ -922,7 +924,9 @@ def fismo_training(
         _fismo._check_real(name, value, 0.0)
     given = {"gamma": gamma, "mu": mu, "polar": polar, "inv_root": inv_root, "statistics": statistics,
              "block_size": block_size}
-    fismo_options = {k: v for k, v in given.items() if v is not _PRESET}
+    # polar=None and inv_root=None mean the defaults, as in `fismo`; here, the preset's
+    fismo_options = {k: v for k, v in given.items()
+                     if v is not _PRESET and not (k in ("polar", "inv_root") and v is None)}
     muon_polar = _muon_polar(ns_coeffs, ns_steps, eps)
     signature = inspect.signature(fismo_training).parameters
     check_muon_polar("fismo_training", {

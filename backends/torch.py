@@ -295,7 +295,7 @@ class FISMO(Optimizer):
         params: ParamsT,
         lr: Union[float, torch.Tensor] = 1e-3,
         weight_decay: float = TRAINING["weight_decay"],
-        momentum: float = 0.95,
+        momentum: Union[float, torch.Tensor] = 0.95,
         nesterov: bool = TRAINING["nesterov"],
         ns_coefficients: tuple[float, float, float] = MUON_COEFFICIENTS[0],
         eps: float = 1e-7,
@@ -327,7 +327,8 @@ class FISMO(Optimizer):
 
         ``fismo_options`` are any other keyword of ``FISMO`` (``gamma``,
         ``mu``, ``block_size``, ``statistics``, ``inv_root``, ``polar``,
-        ``nonfinite``, ``process_group``) and override the preset by the
+        ``nonfinite``, ``process_group``; ``polar=None`` and ``inv_root=None``
+        mean the preset's, as not given) and override the preset by the
         core's rule ([`training_options`][fismo_core.optimizer.training_options]:
         ``polar``/``inv_root`` as a dict or method name are merged field by
         field; ``ns_steps``, ``ns_coefficients`` or ``eps`` given with
@@ -354,8 +355,16 @@ class FISMO(Optimizer):
             raise ValueError(
                 f"ns_coefficients must be three numbers (a, b, c), as in torch.optim.Muon, got {ns_coefficients!r}"
             )
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"momentum (FISMO's beta) must be a number in [0, 1], got {momentum!r}")
+        if isinstance(momentum, torch.Tensor):  # FISMO's beta schedule; other tensors are refused as beta, below
+            out_of_range = momentum.ndim == 0 and momentum.is_floating_point() and not 0.0 <= float(momentum) <= 1.0
+        else:
+            out_of_range = (isinstance(momentum, bool) or not isinstance(momentum, numbers.Real)
+                            or not 0.0 <= momentum <= 1.0)
+        if out_of_range:
+            raise ValueError(f"momentum (FISMO's beta) must be a number in [0, 1] or a 0-d tensor, got {momentum!r}")
+        for name in ("polar", "inv_root"):  # None is FISMO's "the default": here, the preset's
+            if name in fismo_options and fismo_options[name] is None:
+                del fismo_options[name]
         signature = inspect.signature(cls.training).parameters
         check_muon_polar("FISMO.training", {
             argument: (field, value, signature[argument].default)

@@ -653,6 +653,29 @@ def _as_triples(value: Any) -> Optional[tuple[tuple[float, ...], ...]]:
         return None
 
 
+#: Newton–Schulz coefficients as `_schedule` gives them: the triples and the norm safety factor.
+_Schedule = tuple[tuple[tuple[float, ...], ...], float]
+
+
+def _schedule(value: Any) -> Optional[_Schedule]:
+    """Newton–Schulz coefficients as the triples they run and their norm safety factor (a preset name's
+    too); ``None`` for what is not coefficients (the constructors' checks refuse it, naming it)."""
+    if isinstance(value, str):
+        named = linalg._NAMED_SCHEDULES.get(value)
+        return None if named is None else (named, linalg._NORMALIZATION_SAFETY[value])
+    triples = _as_triples(value)
+    return None if triples is None else (triples, 1.0)
+
+
+def _same_iteration(a: _Schedule, b: _Schedule) -> bool:
+    """Whether two `_schedule` results run the same iteration at every step count (a schedule repeats its
+    last triple: ``((a, b, c),)`` and ``((a, b, c), (a, b, c))`` are one)."""
+    (first, first_safety), (second, second_safety) = a, b
+    n = max(len(first), len(second))
+    return first_safety == second_safety and all(
+        first[min(k, len(first) - 1)] == second[min(k, len(second) - 1)] for k in range(n))
+
+
 def check_muon_polar(where: str, given: Mapping[str, tuple[str, Any, Any]], polar: Any) -> None:
     """Refuse a ``polar`` that sets a Newton–Schulz field otherwise than a Muon argument given beside it.
 
@@ -660,8 +683,9 @@ def check_muon_polar(where: str, given: Mapping[str, tuple[str, Any, Any]], pola
     `PolarConfig` field, the value passed and the signature's default. An argument left at its default
     yields to ``polar`` (``polar={"steps": 4}`` alone is 4 steps); one passed with another value beside a
     ``polar`` that sets the field to a third (``ns_steps=3, polar={"steps": 4}``) is a conflict, refused
-    with a ``TypeError`` naming both, where ``polar`` silently won. Coefficients given by a preset name
-    are not compared.
+    with a ``TypeError`` naming both, where ``polar`` silently won. Coefficients are compared as the
+    iteration they run, a preset name's included (a `PolarConfig` always holds one: ``"muon"`` unless
+    given; until 2026-12-04 names were not compared and ``ns_coefficients`` lost to them without a word).
     """
     if isinstance(polar, PolarConfig):
         fields = {f.name: getattr(polar, f.name) for f in dataclass_fields(PolarConfig)}
@@ -673,12 +697,15 @@ def check_muon_polar(where: str, given: Mapping[str, tuple[str, Any, Any]], pola
         if name not in fields:
             continue
         if name == "coefficients":
-            mine, default, theirs = _as_triples(value), _as_triples(default), _as_triples(fields[name])
+            mine, default, theirs = _schedule(value), _schedule(default), _schedule(fields[name])
+            if mine is None or theirs is None or (default is not None and _same_iteration(mine, default)):
+                continue
+            agree = _same_iteration(mine, theirs)
         else:
-            mine, theirs = value, fields[name]
-        if mine is None or theirs is None or mine == default:
-            continue
-        if mine != theirs:
+            if value is None or fields[name] is None or value == default:
+                continue
+            agree = value == fields[name]
+        if not agree:
             raise TypeError(
                 f"{where}: {argument}={value!r} and polar's {name}={fields[name]!r} disagree: give the "
                 f"Newton–Schulz {name} once, as {argument}= or in polar"

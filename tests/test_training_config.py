@@ -394,7 +394,8 @@ def test_torch_training_takes_param_groups_with_adamw() -> None:
 @pytest.mark.parametrize(
     ("given", "error", "message"),
     [
-        ({"momentum": 1.5}, ValueError, r"momentum \(FISMO's beta\) must be a number in \[0, 1\], got 1.5"),
+        ({"momentum": 1.5}, ValueError, r"momentum \(FISMO's beta\) must be a number in \[0, 1\] or a 0-d tensor, got 1.5"),
+        ({"momentum": "tensor"}, ValueError, r"momentum \(FISMO's beta\) must be .*, got tensor\(1.5000\)"),
         ({"beta": 0.9}, TypeError, r"the momentum is momentum= \(FISMO's beta\), got beta=0.9"),
         ({"ns_coefficients": (1.0, 2.0)}, ValueError, r"ns_coefficients must be three numbers"),
         ({"ns_steps": 0}, ValueError, r"ns_steps=0.*steps must be a positive integer, got 0"),
@@ -408,6 +409,12 @@ def test_torch_training_takes_param_groups_with_adamw() -> None:
         ({"eps": 1e-5, "polar": PolarConfig()}, TypeError, r"eps=1e-05 and polar's eps=1e-07 disagree"),
         ({"ns_coefficients": (3.0, -3.2, 1.2), "polar": {"coefficients": [(3.4445, -4.775, 2.0315)]}}, TypeError,
          r"ns_coefficients=\(3.0, -3.2, 1.2\) and polar's coefficients=.* disagree"),
+        # Coefficients by a preset name were not compared, and a PolarConfig always names "muon" unless given:
+        # ns_coefficients lost to them without a word (a user's hunt, 2026-12-04).
+        ({"ns_coefficients": (3.0, -3.2, 1.2), "polar": PolarConfig(dtype="bfloat16")}, TypeError,
+         r"ns_coefficients=\(3.0, -3.2, 1.2\) and polar's coefficients='muon' disagree"),
+        ({"ns_coefficients": (3.0, -3.2, 1.2), "polar": {"coefficients": "polar_express"}}, TypeError,
+         r"polar's coefficients='polar_express' disagree"),
     ],
 )
 def test_torch_training_bad_input_names_the_argument(given, error, message) -> None:
@@ -415,6 +422,8 @@ def test_torch_training_bad_input_names_the_argument(given, error, message) -> N
     from fismo_core.backends.torch import FISMO as TorchFISMO
 
     W = torch.nn.Parameter(torch.zeros(6, 4))
+    if given.get("momentum") == "tensor":
+        given = {"momentum": torch.tensor(1.5)}
     with pytest.raises(error, match=message):
         TorchFISMO.training([W], **given)
 
@@ -431,6 +440,55 @@ def test_training_polar_agreeing_with_or_beside_default_muon_arguments_is_taken(
     assert TorchFISMO.training([W], ns_steps=3, polar="svd").param_groups[0]["polar"]["method"] == "svd"
     group = TorchFISMO.training([W], ns_coefficients=(3.0, -3.2, 1.2), polar={"coefficients": [(3.0, -3.2, 1.2)]})
     assert group.param_groups[0]["polar"]["coefficients"] == ((3.0, -3.2, 1.2),)
+    # The same iteration written otherwise: Muon's triple by name, or repeated (a schedule repeats its last)
+    assert TorchFISMO.training([W], ns_coefficients=[3.4445, -4.775, 2.0315], polar=PolarConfig(dtype="float32"))
+    twice = [(3.0, -3.2, 1.2)] * 2
+    assert TorchFISMO.training([W], ns_coefficients=(3.0, -3.2, 1.2), polar={"coefficients": twice})
+
+
+def test_training_none_polar_and_inv_root_are_the_presets() -> None:
+    """``polar=None`` and ``inv_root=None`` (FISMO's "the default") put the core's defaults in place of the
+    preset in ``FISMO.training``, dropping ``ns_steps``, ``eps``, ``ns_coefficients``, the bfloat16 iteration
+    and the roots every 10 steps without a word, and ``fismo_training`` refused them (a user's hunt,
+    2026-12-04). Both constructors take them as not given now."""
+    torch = _torch()
+    from fismo_core.backends.optax import fismo_training
+    from fismo_core.backends.torch import FISMO as TorchFISMO
+
+    W = torch.nn.Parameter(torch.zeros(6, 4))
+    muon = {"ns_steps": 3, "eps": 1e-3, "ns_coefficients": (2.0, -1.5, 0.5)}
+    expected = TorchFISMO.training([W], **muon).param_groups[0]
+    for none in ({"polar": None}, {"inv_root": None}, {"polar": None, "inv_root": None}):
+        group = TorchFISMO.training([W], **muon, **none).param_groups[0]
+        assert (group["polar"], group["inv_root"]) == (expected["polar"], expected["inv_root"]), none
+    assert expected["polar"]["steps"] == 3 and expected["inv_root"]["every"] == 10
+    params = {"w": np.random.default_rng(0).standard_normal((6, 4))}
+    grads = {"w": np.random.default_rng(1).standard_normal((6, 4))}
+    updates = []
+    for none in ({}, {"polar": None, "inv_root": None}):
+        tx = fismo_training(0.02, ns_steps=3, **none)
+        updates.append(np.asarray(tx.update(grads, tx.init(params), params)[0]["w"]))
+    np.testing.assert_array_equal(updates[0], updates[1])
+
+
+def test_torch_training_takes_a_tensor_momentum() -> None:
+    """``FISMO(beta=tensor)`` is a momentum schedule, but ``FISMO.training(momentum=tensor)`` was refused as
+    "must be a number in [0, 1], got tensor(0.9000)" (a user's hunt, 2026-12-04); it is FISMO's beta now, the
+    same tensor, read at every step."""
+    torch = _torch()
+    from fismo_core.backends.torch import FISMO as TorchFISMO
+
+    momentum = torch.tensor(0.9, dtype=torch.float64)
+    W, V = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.zeros(6, 4))
+    with torch.no_grad():
+        V.copy_(W)
+    ours, floats = TorchFISMO.training([W], momentum=momentum), TorchFISMO.training([V], momentum=0.9)
+    assert ours.param_groups[0]["beta"] is momentum
+    for _ in range(3):
+        W.grad = V.grad = torch.randn(6, 4)
+        ours.step()
+        floats.step()
+    assert torch.equal(W, V)
 
 
 #: torch.optim.Muon against FISMO.training(gamma=1) on the same gradients (20 steps, three matrices: tall,
@@ -542,6 +600,23 @@ def _optax_run(tx, params: dict, steps: int, seed: int = 0) -> list[dict]:
         params = optax.apply_updates(params, updates)
         out.append(updates)
     return out
+
+
+def test_optax_training_iterates_in_the_states_dtype() -> None:
+    """The docs said ``fismo_training`` runs Newton–Schulz "in the leaves' dtype, as optax runs it"; it runs in
+    the state's (a user's hunt, 2026-12-04): for a bfloat16 leaf, float32, bit for bit ``polar={"dtype":
+    "float32"}``, and not the bfloat16 iteration (9e-4 apart in the hunt)."""
+    _optax()
+    import jax.numpy as jnp
+
+    from fismo_core.backends.optax import fismo_training
+
+    params = {"w": jnp.asarray(0.1 * np.random.default_rng(0).standard_normal((8, 6)), dtype=jnp.bfloat16)}
+    runs = [_optax_run(fismo_training(0.02, **polar), params, 3)
+            for polar in ({}, {"polar": {"dtype": "float32"}}, {"polar": {"dtype": "bfloat16"}})]
+    default, float32, bfloat16 = ([np.asarray(u["w"], dtype=np.float32) for u in run] for run in runs)
+    assert all(np.array_equal(a, b) for a, b in zip(default, float32))
+    assert not all(np.array_equal(a, b) for a, b in zip(default, bfloat16))
 
 
 def _optax_params() -> dict:
