@@ -250,6 +250,30 @@ def test_propagate_policy_does_not_check() -> None:
     assert np.isnan(W_new).any() and np.isnan(state.P).any()
 
 
+def test_propagate_with_amortised_roots_lets_a_nan_through_between_refreshes() -> None:
+    """With roots every ``k`` steps, a NaN at a step that reuses the roots reaches no ``eigh``: it flows into
+    ``W``, ``P``, ``Q`` and ``M`` without an error (``"propagate"`` checks nothing, as ``torch.optim.AdamW``), and
+    the next step that recomputes the roots raises, as does every later one. The docs said a NaN always met
+    ``eigh`` and nothing changed (a user's hunt, 2026-12-04: true with roots at every step only)."""
+    torch = pytest.importorskip("torch")
+    from fismo_core.backends.torch import FISMO as TorchFISMO
+
+    W = torch.nn.Parameter(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)))
+    opt = TorchFISMO([W], nonfinite="propagate", inv_root={"every": 3})
+    outcomes = []
+    for t in range(7):
+        W.grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(t + 1))
+        if t == 1:  # the second step: the roots of the first are reused
+            W.grad[0, 0] = math.nan
+        try:
+            opt.step()
+            outcomes.append(bool(W.isfinite().all()))
+        except torch.linalg.LinAlgError:
+            outcomes.append("LinAlgError")
+    assert outcomes == [True, False, False, "LinAlgError", "LinAlgError", "LinAlgError", "LinAlgError"]
+    assert opt.state[W]["P"].isnan().any()
+
+
 # --------------------------------------------------------------- torch adapter
 def _torch_model(torch):
     torch.manual_seed(0)
