@@ -15,7 +15,8 @@ Which leaves FISMO optimizes
   axis, as in Muon's handling of PyTorch ``(out, in, kh, kw)`` convolution
   kernels. Flax kernels put the output axis last (``Dense``: ``(in, out)``,
   ``Conv``: ``(kh, kw, in, out)``); pass
-  ``matrix_shape=lambda s: (math.prod(s[:-1]), s[-1])`` for those.
+  ``matrix_shape=lambda s: (math.prod(s[:-1]), s[-1])`` for those (a kernel with several
+  output axes, attention's ``(in, heads, head_dim)``, needs a rule that knows them).
 * Other leaves (biases, norm scales, scalars) go to ``non_matrix``: by default
   ``optax.adamw`` with the same ``learning_rate`` (schedule included),
   ``b1=0.9``, ``b2=0.999``, ``eps=1e-8`` and no weight decay, which is the rule
@@ -25,7 +26,8 @@ Which leaves FISMO optimizes
   params returning one) overrides that rule: ``False`` sends a
   matrix (an embedding, an output head) to ``non_matrix``.
 
-Each matrix leaf keeps its own :class:`fismo_core.FISMOState`. Everything is
+Each matrix leaf keeps its own :class:`fismo_core.FISMOState` (``flax.nnx.Optimizer``,
+which hands it back as an ``nnx.State`` of its fields, works too). Everything is
 traceable: ``jax.jit(tx.update)`` compiles once and does not retrace.
 
 Sharded leaves
@@ -49,7 +51,7 @@ import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 try:
@@ -602,7 +604,7 @@ def scale_by_fismo(
         leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [(path, jnp.asarray(g)) for path, g in leaves]  # NumPy gradients too, as optax's own take
         # ... and NumPy states: a checkpoint restored by np.load, pickle or jax.device_get.
-        states = [jax.tree.map(_as_jax, s) for s in treedef.flatten_up_to(state.states)]
+        states = [jax.tree.map(_as_jax, _as_fismo_state(s)) for s in treedef.flatten_up_to(state.states)]
         leaves = [(path, _beside_state(g, s)) for (path, g), s in zip(leaves, states)]
         _check_finite_leaves(leaves, states)
         # With the params, each state's dtype is checked against its parameter's (the gradient's may be
@@ -650,6 +652,22 @@ def _direction_dtype(g: Any, W: Any) -> Any:
 def _is_wider(dtype: Any, than: Any) -> bool:
     """Whether floating ``dtype`` has more bits than ``than`` (another floating dtype, or the same one)."""
     return dtype != than and jnp.finfo(dtype).bits > jnp.finfo(than).bits
+
+
+#: The fields of `FISMOState` that are Kronecker factors or their roots: an array, or `Blocks`.
+_FACTOR_FIELDS = ("P", "Q", "P_inv_sqrt", "Q_inv_sqrt")
+
+
+def _as_fismo_state(s: Any) -> Any:
+    """A leaf's state given as a mapping of `FISMOState`'s fields, its blocks as mappings of `Blocks`' (how
+    ``flax.nnx.Optimizer`` hands the state back: it stores each as an ``nnx.State``), as a `FISMOState`;
+    anything else as it is (the core refuses what is not a state, with its reason)."""
+    if isinstance(s, FISMOState) or not isinstance(s, Mapping) or set(s) != set(FISMOState._fields):
+        return s
+
+    def factor(value: Any) -> Any:
+        return Blocks(value["full"], value.get("rest")) if isinstance(value, Mapping) else value
+    return FISMOState(**{k: factor(v) if k in _FACTOR_FIELDS else v for k, v in s.items()})
 
 
 def _as_jax(x: Any) -> Any:

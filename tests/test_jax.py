@@ -1116,3 +1116,42 @@ def test_optax_inverse_root_warning_is_issued_when_the_leaf_then_raises() -> Non
     messages = [str(w.message) for w in caught if issubclass(w.category, InverseRootWarning)]
     assert messages and all(m.startswith("leaf ['encoder']['kernel']: FISMO: the inverse square root of")
                             for m in messages), messages
+
+
+# ------------------------------------------------------------------ Flax
+@pytest.mark.parametrize("name", ["fismo", "fismo_training, blocks"])
+def test_flax_nnx_optimizer_steps_as_the_pure_pytree(name: str) -> None:
+    """``flax.nnx.Optimizer`` stores each leaf's optax state as an ``nnx.State``: a `FISMOState` (and its
+    `Blocks`) came back as mappings of their fields, and the second update raised "state must be a
+    FISMOState from FISMO.init, got State" (a user's hunt, 2026-12-04; ``optax.adamw`` and
+    ``optax.contrib.muon`` ran). Such a mapping is taken as the state now: an MLP trained through
+    ``nnx.Optimizer`` equals, bit for bit, the same transformation on the pure parameter pytree."""
+    optax = _optax()
+    nnx = pytest.importorskip("flax.nnx", reason="flax is not installed (pip install flax)")
+    from fismo_core.backends.optax import fismo, fismo_training
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: Any) -> None:
+            self.hidden, self.out = nnx.Linear(6, 16, rngs=rngs), nnx.Linear(16, 5, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            return self.out(jax.nn.relu(self.hidden(x)))
+
+    tx = fismo(0.02) if name == "fismo" else fismo_training(0.02, block_size=5)  # 16 = 3 blocks of 5 + 1
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 6)), dtype=jnp.float32)
+
+    def loss(model: Any) -> Any:
+        return (model(x) ** 2).mean()
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, params, rest = nnx.split(MLP(nnx.Rngs(0)), nnx.Param, ...)
+    state = tx.init(params)
+    for _ in range(3):
+        optimizer.update(model, nnx.grad(loss)(model))
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest)))(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    ours, pure = nnx.state(model, nnx.Param), params
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(pure)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
