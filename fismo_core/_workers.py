@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import os
 import signal
+import threading
+import time
+
+#: Seconds between a worker's checks that the process that started it is alive (`end_with_parent`).
+PARENT_CHECK_SECONDS = 1.0
 
 
 def end_quietly_on_interrupt() -> None:
@@ -20,8 +26,28 @@ def end_quietly_on_interrupt() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def end_with_parent() -> None:
+    """End this worker process within `PARENT_CHECK_SECONDS` of the process that started it ending.
+
+    A process pool's workers wait on a queue whose other end they hold themselves, so they never see
+    their parent go: after a ``kill -TERM`` of ``fismo demo`` or the scaling study alone (not its
+    process group, as Ctrl-C and ``timeout`` signal), each worker finished its run and then waited
+    forever (a user's hunt, 2026-12-04). A daemon thread compares ``os.getppid()`` with the parent's
+    process id, which changes when the parent ends (POSIX: the worker is adopted by another process).
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_CHECK_SECONDS)
+            if os.getppid() != parent:
+                os._exit(1)  # the parent is gone: nobody will read this worker's results
+
+    threading.Thread(target=watch, name="end_with_parent", daemon=True).start()
+
+
 def quiet_worker_init(module: str, name: str) -> None:
-    """A process pool's initializer: `end_quietly_on_interrupt`, then ``module.name()``.
+    """A process pool's initializer: `end_quietly_on_interrupt` and `end_with_parent`, then ``module.name()``.
 
     Named by strings, so that a spawned worker unpickles this light module only (no torch) before its
     Ctrl-C is quiet: with the demo's own initializer, whose module imports torch, each worker spent
@@ -29,4 +55,5 @@ def quiet_worker_init(module: str, name: str) -> None:
     from each (a user's hunt, 2026-12-04).
     """
     end_quietly_on_interrupt()
+    end_with_parent()
     getattr(importlib.import_module(module), name)()

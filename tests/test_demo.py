@@ -20,8 +20,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -847,6 +849,38 @@ def test_ctrl_c_ends_a_demo_worker_without_a_traceback() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(-2)  # killed by SIGINT (2)
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
+def test_a_demo_worker_ends_with_its_parent(tmp_path: Path) -> None:
+    """A ``kill -TERM`` of the command alone left its workers alive: each finished its run and then waited on
+    the pool's queue forever (a user's hunt, 2026-12-04). A worker now ends within a second or two of its
+    parent: here the parent is killed while its worker sleeps in a task, and the worker is gone 10 s later."""
+    script = (
+        "import os, time\n"
+        "from fismo_core.demo.run import worker_pool\n"
+        "pool = worker_pool(1)\n"
+        "pool.submit(time.sleep, 600)\n"
+        "time.sleep(1)\n"
+        "print(next(iter(pool._processes)), flush=True)\n"
+        "os._exit(0)  # the parent ends without shutting its pool down, as after SIGTERM or SIGKILL\n"
+    )
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:  # files: the worker holds them
+        done = subprocess.run([sys.executable, "-c", script], stdout=out, stderr=err, text=True, timeout=300)
+        out.seek(0), err.seek(0)
+        assert done.returncode == 0, err.read()
+        worker = int(out.read().strip())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)  # still there (or a zombie not yet reaped by its new parent)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{worker}/stat").exists() and Path(f"/proc/{worker}/stat").read_text().split()[2] == "Z":
+            break  # it ended; its adoptive parent has not reaped it yet
+        time.sleep(0.1)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail(f"worker {worker} outlived its parent by 10 s")
 
 
 def test_a_demo_worker_is_quiet_on_ctrl_c_before_it_imports_torch() -> None:
