@@ -5,14 +5,19 @@ sizes span what the issue asks (from the models' parameter counts, nothing train
 learning-rate search's rule on losses known in advance, and the reduced preset run end to end in
 a subprocess: its outputs, the winner-inside-the-grid rule replayed from the runs it recorded,
 the gain table against the recorded losses, the seeds, the plot, and a resumed run that trains
-again exactly the runs removed from its ``results.json``, to the same losses.
+again exactly the runs removed from its ``results.json``, to the same losses, interrupted or not
+without losing a recorded run; what a run's key and the report's environment line name; the
+report in UTF-8. (The usage errors, a folder the study would replace among them, are
+``tests/test_script_arguments.py``'s.)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -185,15 +190,45 @@ def test_reduced_study_writes_its_outputs_and_reports_every_run_on_stderr(reduce
         assert all(doc["timing"][size.name]["Muon-torch"][f"{t}_vs_muon"] == 1.0 for t in study.TIMES)
 
 
-def test_report_only_writes_the_same_report_from_a_finished_study(reduced, tmp_path):
+def test_report_only_writes_the_same_report_from_a_finished_study(reduced, tmp_path, capsys):
     """``--report-only`` refuses a complete file without the study's fields before writing anything
-    (``tests/test_script_arguments.py``); a real study's file passes that check and gives its report again."""
+    (``tests/test_script_arguments.py``); a real study's file passes that check and gives its report again.
+    Its last line said "Wrote DIR/results.json" too, which it only read (a user's hunt, 2026-12-04)."""
     out, _, _, _ = reduced
     again = tmp_path / "again"
     again.mkdir()
     shutil.copy(out / "results.json", again / "results.json")
-    assert study.main(["--preset", "reduced", "--report-only", "--out", str(again)]) == 0
+    assert study.main(["--report-only", "--out", str(again)]) == 0
     assert (again / "report.md").read_text() == (out / "report.md").read_text()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"Wrote {again / 'report.md'}, {again / 'scaling_gain.png'} from {again / 'results.json'}."
+
+
+def test_report_only_writes_utf8_under_an_ascii_locale_and_prints_what_the_console_can(reduced, tmp_path):
+    """The report (with − and ×) was written in the locale's encoding: under ``LC_ALL=C`` without UTF-8 mode it
+    raised ``UnicodeEncodeError`` after the work and left ``report.md`` empty (a user's hunt, 2026-12-04). It is
+    UTF-8 now, and the console gets ``?`` for what its encoding lacks (as ``fismo demo``'s)."""
+    out, _, _, _ = reduced
+    ascii_console = tmp_path / "ascii"
+    shutil.copytree(out, ascii_console)
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--report-only", "--out", str(ascii_console)],
+                          capture_output=True, env=env, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    assert (ascii_console / "report.md").read_bytes() == (out / "report.md").read_bytes()
+    assert "−" in (ascii_console / "report.md").read_text(encoding="utf-8")
+    assert b"## Gain over Muon-torch (Muon-torch ? FISMO-T" in done.stdout
+
+
+def test_the_reports_environment_line_names_the_machines_that_trained_the_runs(reduced):
+    """The line was read anew on every call: a study resumed on another machine named that one for runs trained
+    on the first (a user's hunt, 2026-12-04). Each run records its machine; the line is theirs."""
+    _, doc, _, _ = reduced
+    machines = {r["environment"] for r in doc["runs"]}
+    assert machines == {doc["environment"]} and "torch CPU capability" in doc["environment"]
+    mixed = [*doc["runs"][:3], *({**r, "environment": "another machine"} for r in doc["runs"][3:5])]
+    assert study.runs_environment(mixed) == f"Runs trained on {doc['environment']} (3 runs); another machine (2 runs)"
 
 
 def test_the_report_states_the_load_the_study_stored_not_the_current_one(reduced, monkeypatch):
@@ -287,6 +322,90 @@ def test_a_resumed_study_trains_only_the_missing_runs_and_gets_the_same_losses(r
     assert again["tuning"] == doc["tuning"] and again["gain"] == doc["gain"]
 
 
+def test_an_interrupted_resume_keeps_every_recorded_run_and_the_next_one_finishes(reduced, tmp_path, monkeypatch):
+    """A resume rewrote ``results.json`` after each run with the runs it had reached only: a Ctrl-C while it
+    trained its first missing run dropped 65 recorded runs to 10 (a user's hunt, 2026-12-04). The runs not
+    reached yet are kept beside (``unused_runs``): nothing recorded is lost, and the next resume trains the
+    missing run only. (Also: the recorded command quotes an argument with a space.)"""
+    out, doc, _, _ = reduced
+    preset = study.PRESETS["reduced"]
+    largest = preset.sizes[-1].name
+    best = doc["tuning"][largest]["FISMO-T"]["best_lr"]
+    missing = [r for r in doc["runs"]
+               if (r["size"], r["optimizer"], r["lr"], r["seed"]) == (largest, "FISMO-T", best, 0)]
+    resumed = tmp_path / "resumed here"
+    shutil.copytree(out, resumed)
+    recorded = [r for r in doc["runs"] if r not in missing]
+    (resumed / "results.json").write_text(json.dumps(dict(doc, runs=recorded, complete=False)))
+    train_run = study.train_run
+
+    def ctrl_c_at_the_first_missing_run(run):
+        if run.steps > preset.pilot_steps + 1:  # not the pilot's
+            raise KeyboardInterrupt
+        return train_run(run)
+
+    argv = ["--preset", "reduced", "--jobs", "1", "--out", str(resumed)]  # jobs 1: the runs train in this process
+    monkeypatch.setattr(study, "train_run", ctrl_c_at_the_first_missing_run)
+    with pytest.raises(KeyboardInterrupt):
+        study.main(argv)
+    interrupted = json.loads((resumed / "results.json").read_text())
+    kept = {r["key"] for r in interrupted["runs"]} | {r["key"] for r in interrupted.get("unused_runs", [])}
+    assert kept == {r["key"] for r in recorded} and not interrupted["complete"]
+    monkeypatch.setattr(study, "train_run", train_run)
+    assert study.main(argv) == 0
+    again = json.loads((resumed / "results.json").read_text())
+    assert again["trained"] == 1 and again["reused"] == len(recorded) and again["unused_runs"] == []
+    assert sorted(r["key"] for r in again["runs"]) == sorted(r["key"] for r in doc["runs"])
+    assert shlex.split(again["command"]) == ["python", "docs/scripts/scaling_study.py", *argv]
+
+
+# ----------------------------------------------------------------------------- the environment
+def _keys_under(env: dict[str, str]) -> dict[str, dict]:
+    """FISMO-T's and Muon-torch's keys of one run, computed in a process with ``env`` added."""
+    code = ("import json, sys; sys.path.insert(0, 'docs/scripts'); import scaling_study as s; "
+            "p = s.PRESETS['reduced']; run = s._study_run(p, p.sizes[0], 'FISMO-T', 0.01, 0); "
+            "print(json.dumps({o: json.loads(s.replace(run, optimizer=o).key()) for o in ('FISMO-T', 'Muon-torch')}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_a_runs_key_names_torchs_cpu_kernels_and_whether_bfloat16_is_native():
+    """The key held the settings and the fismo and torch versions only, so a folder studied on one CPU was
+    resumed on another (other kernels: every loss differs a little) by reusing its runs (a user's hunt,
+    2026-12-04). It holds ``digest_key``'s line now: torch's CPU capability and whether bfloat16 is native,
+    which FISMO-T's recorded ``matmul_dtype`` follows."""
+    here = _keys_under({})
+    baseline = _keys_under({"ATEN_CPU_CAPABILITY": "default"})  # torch's unvectorised kernels
+    emulated = _keys_under({"ONEDNN_MAX_CPU_ISA": "AVX2"})  # bfloat16 emulated on every CPU
+    for optimizer in ("FISMO-T", "Muon-torch"):
+        assert len({json.dumps(keys[optimizer], sort_keys=True) for keys in (here, baseline, emulated)}) == 3
+        assert "(DEFAULT kernels, bfloat16 " in baseline[optimizer]["environment"]
+        assert "bfloat16 emulated" in emulated[optimizer]["environment"]
+    assert emulated["FISMO-T"]["hyperparameters"]["inv_root"]["matmul_dtype"] is None
+    native = "bfloat16 native" in here["FISMO-T"]["environment"]
+    assert here["FISMO-T"]["hyperparameters"]["inv_root"]["matmul_dtype"] == ("bfloat16" if native else None)
+
+
+def test_a_folder_studied_with_other_cpu_kernels_is_refused_not_reused(reduced, tmp_path):
+    """Resumed under other kernels (``ATEN_CPU_CAPABILITY``, as on another CPU), a study reused every run and
+    its report named the new CPU (a user's hunt, 2026-12-04): none of its runs can be reused there, and the
+    folder is refused before any work (another ``--out``, or ``--fresh``), as it is."""
+    out, doc, _, _ = reduced
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "reduced", "--jobs", "1", "--out", str(other)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+    assert done.returncode == 2 and done.stdout == "", done.stdout[-3000:] + done.stderr[-3000:]
+    line = done.stderr.splitlines()[-1]
+    assert line.startswith(f"scaling_study.py: error: {other} holds {len(doc['runs'])} runs recorded with fismo ")
+    assert "which this machine (fismo " in line and "DEFAULT kernels" in line
+    assert line.endswith("; choose another --out, or pass --fresh to replace it")
+    assert (other / "results.json").read_bytes() == (out / "results.json").read_bytes()
+
+
 # ----------------------------------------------------------------------------- another candidate
 def test_a_candidate_with_one_setting_changed_is_named_blocked_and_gridded_as_fismo_t():
     preset = study.replace(study.PRESETS["full"], candidate="FISMO-T-mu1e-3")
@@ -343,5 +462,7 @@ def test_a_study_of_another_candidate_reuses_the_baselines_runs_and_trains_only_
     baselines = [r for r in doc["runs"] if r["optimizer"] in ("Muon-torch", "AdamW")]
     assert again["reused"] == len(baselines) and again["trained"] == len(again["runs"]) - len(baselines)
     assert {r["key"] for r in baselines} <= {r["key"] for r in again["runs"]}
+    # FISMO-T's runs are kept, not used (a later call of FISMO-T in this folder reuses them)
+    assert {r["key"] for r in again["unused_runs"]} == {r["key"] for r in doc["runs"]} - {r["key"] for r in baselines}
     assert set(again["gain"][preset.sizes[-1].name]) == {"FISMO-T-mu1e-3", preset.blocked}
     assert "# Scaling study: FISMO-T-mu1e-3 against torch.optim.Muon" in (other / "report.md").read_text()

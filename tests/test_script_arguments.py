@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,17 @@ def refused(script: str, *args: str) -> str:
 CASES = [
     # scaling_study.py (the paths under tmp_path: below)
     ("scaling_study", ["--pilot-steps", "0", "--estimate-only"], f"argument --pilot-steps: {POSITIVE} 0"),
+    # options a mode does not use were ignored silently, --report-only's --preset too (a user's hunt, 2026-12-04)
+    ("scaling_study", ["--report-only", "--out", "/nonexistent/study", "--preset", "full", "--candidate",
+                       "FISMO-T-mu1e-3", "--fresh", "--jobs", "7", "--pilot-steps", "3"],
+     "--preset, --candidate, --jobs, --pilot-steps, --fresh: not used by --report-only, which reads the study's "
+     "settings from DIR/results.json"),
+    ("scaling_study", ["--report-only", "--preset", "reduced", "--out", "/nonexistent/study"],
+     "--preset: not used by --report-only"),
+    ("scaling_study", ["--report-only", "--estimate-only", "--out", "/nonexistent/study"],
+     "--estimate-only: not used by --report-only"),
+    ("scaling_study", ["--estimate-only", "--preset", "reduced", "--out", "/nonexistent/study", "--fresh"],
+     "--out, --fresh: not used by --estimate-only, which writes nothing"),
     # gpu_checks.py: a file as --out failed after every stage (FileExistsError; a user's hunt, 2026-12-04)
     ("gpu_checks", ["--quick", "--out", "README.md"], "argument --out: README.md is not a directory"),
     # performance.py
@@ -168,6 +180,42 @@ def test_an_out_that_is_or_lies_in_a_file_is_refused(tmp_path, mode, below):
     line = refused("scaling_study", *mode, "--out", str(tmp_path / "afile" / below))
     assert f"argument --out: {tmp_path / 'afile'} is not a directory" in line
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("out", ["/proc/self", "/proc/self/study"])
+def test_an_out_where_nothing_can_be_written_is_refused_before_the_pilot(out):
+    """Accepted, it failed with a traceback after the pilot and a first run (minutes for the full preset; a
+    user's hunt, 2026-12-04). ``/proc/self``: a folder in which nobody, root included, can create a file."""
+    line = refused("scaling_study", "--preset", "reduced", "--jobs", "1", "--out", out)
+    assert "argument --out: cannot write in /proc/self: " in line
+
+
+RECORDED_RUN = {"key": json.dumps({"size": "XS", "environment": "fismo 0.0.1, Python 3.9.0, torch 1.0 (AVX2 kernels, "
+                                   "bfloat16 emulated, x86_64)"})}
+
+
+@pytest.mark.parametrize(("content", "holds"), [
+    (json.dumps({"study": "scaling", "preset": "full", "runs": [RECORDED_RUN]}),
+     "{out} holds a study of preset 'full' (1 run recorded)"),
+    (json.dumps({"study": "scaling", "preset": "reduced", "runs": [RECORDED_RUN]}),
+     "{out} holds 1 run recorded with fismo 0.0.1, Python 3.9.0, torch 1.0 (AVX2 kernels, bfloat16 emulated, "
+     "x86_64), which this machine (fismo "),
+    (json.dumps({"study": "scaling", "preset": "reduced", "runs": [{"key": '{"fismo": "0.1.0", "torch": "2.5"}'}]}),
+     "{out} holds 1 run recorded with an environment their keys do not name (recorded before 2026-12-04)"),
+    ('{"runs": [\n', "{out}/results.json: cannot read it: Expecting value"),
+    ('{"losses": [1.5, 1.25]}', "{out}/results.json: it is not a scaling study's results.json"),
+], ids=["another preset", "another environment", "keys before 2026-12-04", "a cut file", "another file"])
+def test_a_folder_holding_what_the_study_would_replace_is_refused_before_any_work(tmp_path, content, holds):
+    """The presets share the default ``--out``: the reduced preset run there replaced the full preset's
+    runs, as any study replaced runs of another environment or a ``results.json`` it could not read, without a
+    word (a user's hunt, 2026-12-04). Each is refused, saying what the folder holds and what to do."""
+    (tmp_path / "results.json").write_text(content)
+    line = refused("scaling_study", "--preset", "reduced", "--jobs", "1", "--out", str(tmp_path))
+    assert holds.format(out=tmp_path) in line
+    assert line.endswith("; choose another --out, or pass --fresh to replace it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert (tmp_path / "results.json").read_text() == content
 
 
 # ------------------------------------------------------------------------------ performance.py's models store

@@ -26,18 +26,22 @@ each, as in ``fismo demo``), the longest first, so the largest size's runs start
 stderr reports each finished run with the elapsed time and an ETA.
 
     python docs/scripts/scaling_study.py                    # the full study (the estimate is printed first)
-    python docs/scripts/scaling_study.py --preset reduced   # tiny sizes, a few steps: seconds (the tests')
-    python docs/scripts/scaling_study.py --preset gpu       # on a CUDA GPU: the largest size and a GPT-2-small shape
+    python docs/scripts/scaling_study.py --preset reduced --out scaling-reduced   # tiny sizes: seconds (the tests')
+    python docs/scripts/scaling_study.py --preset gpu --out scaling-gpu   # on a CUDA GPU: L and a GPT-2-small shape
     python docs/scripts/scaling_study.py --estimate-only    # time a few steps of every size and optimizer, then stop
     python docs/scripts/scaling_study.py --candidate FISMO-T-mu1e-3 --out DIR   # FISMO-T with settings changed
-    python docs/scripts/scaling_study.py --report-only      # the report and plot again from DIR/results.json
+    python docs/scripts/scaling_study.py --report-only --out DIR   # the report and plot again from DIR/results.json
 
 Outputs under ``--out`` (default ``scaling-results``): ``results.json`` (every run, the lr
 selection, the tables' numbers), ``report.md`` (tables ready for the Results page) and
 ``scaling_gain.png`` (the gain against the parameter count; needs matplotlib, as the demo's
 figures). ``results.json`` is rewritten after every run; a later call with the same ``--out``
-reuses every run recorded there whose settings and library versions match (``--fresh`` ignores
-them), so an interrupted study resumes where it stopped.
+reuses every run recorded there whose settings, library versions and CPU kernels match
+(``StudyRun.key``), so an interrupted study resumes where it stopped, and keeps the recorded runs it
+has not used (``unused_runs``: not reached yet, or another candidate's). A folder holding another
+preset's study, runs recorded under another environment, or a ``results.json`` that is not a study's
+is refused before any work (``--fresh`` replaces it). ``--report-only`` and ``--estimate-only``
+refuse the options they do not use.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field, replace
@@ -58,7 +64,7 @@ from typing import Any, Optional
 import torch
 
 from fismo_core.demo.optimizers import build_optimizer, control_base, control_change, fismo_settings
-from fismo_core.demo.report import _markdown_table, _minutes, _save, environment
+from fismo_core.demo.report import _markdown_table, _minutes, _save, digest_key, environment
 from fismo_core.demo.run import cpu_seconds, worker_pool
 from fismo_core.demo.tasks import TextTask
 from fismo_core.demo.train import lr_factor
@@ -305,19 +311,32 @@ class StudyRun:
     device: str = "cpu"
 
     def key(self) -> str:
-        """What identifies the run in ``results.json``: every setting and the versions of the code that trains it."""
-        from fismo_core import __version__
+        """What identifies the run in ``results.json``: every setting and what its numbers depend on besides
+        them (`run_environment`).
 
+        Until 2026-12-04 the key held the fismo and torch versions only: a folder studied on one CPU was
+        resumed on another (other kernels, other rounding) by reusing its runs (a user's hunt).
+        """
         settings = asdict(self)
         if settings["device"] == "cpu":  # the CPU runs' keys predate the device field
             del settings["device"]
-        hyperparameters = fismo_settings(self.optimizer)
+        with torch.device(self.device):  # FISMO-T's precision is its device's (bfloat16 only where native)
+            hyperparameters = fismo_settings(self.optimizer)
         if hyperparameters is not None:  # what the name means today: a changed default is another run
             settings["hyperparameters"] = hyperparameters
-        return json.dumps({**settings, "fismo": __version__, "torch": torch.__version__}, sort_keys=True)
+        return json.dumps({**settings, "environment": run_environment(self.device)}, sort_keys=True)
 
     def label(self) -> str:
         return f"{self.size} {self.optimizer} lr={self.lr:g} seed {self.seed}"
+
+
+def run_environment(device: str) -> str:
+    """What a run's numbers depend on besides its settings, as one line: `digest_key`'s (the fismo, Python
+    and torch versions, torch's CPU kernels, whether bfloat16 is native), and on a GPU its name."""
+    line = digest_key()
+    if torch.device(device).type == "cuda":
+        line += f", {torch.cuda.get_device_name(device)}"
+    return line
 
 
 def parameter_counts(task: TextTask) -> tuple[int, int]:
@@ -393,6 +412,7 @@ def _train(run: StudyRun) -> dict[str, Any]:
         "diverged": diverged,
         "timed_steps": timed, **{f"{name}_s": total / max(1, timed) for name, total in totals.items()},
         "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start,
+        "environment": environment(),  # the machine that trained it: the report's line (`runs_environment`)
     }
 
 
@@ -472,13 +492,67 @@ def _estimate_line(preset: Preset, by_wall: Mapping[str, Mapping[str, float]],
             "run of its size and optimizer)")
 
 
-def load_results(path: Path) -> dict[str, dict[str, Any]]:
-    """The runs recorded in a ``results.json`` by key (empty when there is none or it cannot be read)."""
+def read_study(path: Path) -> dict[str, Any]:
+    """The ``results.json`` document at ``path``; a ``ValueError`` saying why where it is not a scaling study's.
+
+    Until 2026-12-04 an unreadable or unrelated file was read as no runs, and the study replaced it.
+    """
     try:
-        doc = json.loads(path.read_text())
-        return {r["key"]: r for r in doc["runs"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # unreadable, not text, a cut file
+        raise ValueError(f"cannot read it: {error}") from None
+    if not (isinstance(doc, dict) and doc.get("study") == "scaling" and isinstance(doc.get("preset"), str)
+            and all(isinstance(doc.get(runs, []), list) for runs in ("runs", "unused_runs"))
+            and all(isinstance(r, dict) and _key_fields(r.get("key")) is not None
+                    for r in (*doc.get("runs", []), *doc.get("unused_runs", [])))):
+        raise ValueError("it is not a scaling study's results.json")
+    return doc
+
+
+def _key_fields(key: Any) -> Optional[dict[str, Any]]:
+    """A run's key (`StudyRun.key`) read back, or None where it is not one."""
+    try:
+        fields = json.loads(key)
+    except (TypeError, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def recorded_runs(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every run recorded in a ``results.json`` document by key: the study's and those it kept unused."""
+    return {r["key"]: r for r in (*doc.get("runs", []), *doc.get("unused_runs", []))}
+
+
+def _runs(count: int) -> str:
+    return f"{count} run{'s' * (count != 1)}"
+
+
+def resume_conflict(out: Path, preset: Preset) -> Optional[str]:
+    """Why resuming ``preset`` in ``out`` would replace what ``out/results.json`` holds, or None where it may.
+
+    A file that is not a scaling study's, a study of another preset, or runs recorded where their numbers
+    would differ (another `run_environment`: none of them could be reused here): until 2026-12-04 the study
+    replaced them without a word (a user's hunt). Another candidate of the same preset is no conflict: its
+    runs are kept (``unused_runs``) and the baselines' reused.
+    """
+    path = out / "results.json"
+    if not path.exists():
+        return None
+    try:
+        doc = read_study(path)
+    except ValueError as error:
+        return f"{path}: {error}"
+    runs = list(recorded_runs(doc).values())
+    if doc["preset"] != preset.name:
+        return f"{out} holds a study of preset {doc['preset']!r} ({_runs(len(runs))} recorded)"
+    here = run_environment(preset.device)
+    elsewhere = [(_key_fields(r["key"]) or {}).get("environment") for r in runs]
+    elsewhere = [where for where in elsewhere if where != here]
+    if elsewhere:
+        where = elsewhere[0] or "an environment their keys do not name (recorded before 2026-12-04)"
+        return (f"{out} holds {_runs(len(elsewhere))} recorded with {where}, which this machine ({here}) would not "
+                "reproduce")
+    return None
 
 
 def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
@@ -491,38 +565,62 @@ def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
 
 def run_study(preset: Preset, out: Path, jobs: int = 2, *, resume: bool = True, command: str = "",
               log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> dict[str, Any]:
-    """Run (or resume) the study ``preset`` into ``out/results.json``; returns the final document."""
+    """Run (or resume) the study ``preset`` into ``out/results.json``; returns the final document.
+
+    ``results.json`` holds the study's runs (``runs``, those it has reached) and every other run recorded
+    there before (``unused_runs``: not reached yet, or of another candidate), rewritten after every run, so
+    that no resume loses a recorded run, interrupted or not; the summaries are of ``runs`` only. Until
+    2026-12-04 the file held the runs reached only: an interrupted resume lost the others (a user's hunt).
+    A file that cannot be read is a ``ValueError`` (``main`` refuses it first, `resume_conflict`).
+    """
     check_preset(preset)
     start, cpu_start = time.perf_counter(), cpu_seconds()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
-    cached = load_results(path) if resume else {}
+    cached = recorded_runs(read_study(path)) if resume and path.exists() else {}
     searches = {(size.name, opt): LrSearch(preset.grid(size, opt), preset.max_extensions) for size, opt in _runs_of(preset)}
     doc: dict[str, Any] = {
         "study": "scaling", "preset": preset.name, "command": command, "complete": False,
         "config": _config(preset), "environment": environment(), "jobs": max(1, jobs), "runs": [],
     }
+
+    def save() -> None:
+        reached = {r["key"] for r in doc["runs"]}
+        doc["unused_runs"] = [r for key, r in cached.items() if key not in reached]
+        _write_json(path, doc)
+
     executor = _Executor(jobs)
     try:
         estimates, by_cpu = pilot(preset, executor, log)
         doc["estimate_seconds"] = estimate_wall(preset, estimates, jobs)
         log(_estimate_line(preset, estimates, by_cpu, jobs)
             + (f"; {len(cached)} runs recorded in {path} are reused where they match" if cached else ""))
-        _execute(preset, executor, searches, cached, estimates, doc, path, log, start)
+        _execute(preset, executor, searches, cached, estimates, doc, save, log, start)
     finally:
         executor.close()
     doc.update(summarise(preset, searches, doc["runs"]))
-    doc.update({"complete": True, "seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu_start})
+    doc.update({"complete": True, "seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu_start,
+                "environment": runs_environment(doc["runs"])})
     if hasattr(os, "getloadavg"):  # stored, so that --report-only writes the same report (it read the load anew)
         doc["load_at_end"] = round(os.getloadavg()[0], 1)
-    _write_json(path, doc)
+    save()
     return doc
+
+
+def runs_environment(runs: Sequence[Mapping[str, Any]]) -> str:
+    """The report's environment line: the machine that trained ``runs`` (`environment`), or each machine with
+    its number of runs. Until 2026-12-04 it was the machine of the last call, whichever trained the runs."""
+    machines = Counter(r.get("environment", "not recorded") for r in runs)
+    if len(machines) == 1:
+        return next(iter(machines))
+    return "Runs trained on " + "; ".join(f"{machine} ({count} runs)" for machine, count in machines.most_common())
 
 
 def _execute(preset: Preset, executor: _Executor, searches: dict[tuple[str, str], LrSearch],
              cached: Mapping[str, dict[str, Any]], estimates: Mapping[str, Mapping[str, float]],
-             doc: dict[str, Any], path: Path, log: Callable[[str], None], start: float) -> None:
-    """Schedule the runs: the sweeps, their extensions, then the seeds; longest first, ``jobs`` at a time."""
+             doc: dict[str, Any], save: Callable[[], None], log: Callable[[str], None], start: float) -> None:
+    """Schedule the runs: the sweeps, their extensions, then the seeds; longest first, ``jobs`` at a time;
+    ``save()`` after each."""
     sizes = {size.name: size for size in preset.sizes}
     ready = [_study_run(preset, size, opt, lr, 0) for size, opt in _runs_of(preset) for lr in preset.grid(size, opt)]
     running: dict[Future, tuple[StudyRun, float]] = {}
@@ -545,7 +643,7 @@ def _execute(preset: Preset, executor: _Executor, searches: dict[tuple[str, str]
 
     def finished(run: StudyRun, result: dict[str, Any], reused: bool) -> None:
         doc["runs"].append(result)
-        _write_json(path, doc)
+        save()
         seen["reused" if reused else "trained"] = seen.get("reused" if reused else "trained", 0) + 1
         if not reused:
             ratio["actual"] += result["seconds"]
@@ -759,28 +857,69 @@ def plot_gain(doc: Mapping[str, Any], path: Path) -> bool:
     return True
 
 
+#: The files the study writes in ``--out``.
+OUTPUTS = ("results.json", "report.md", "scaling_gain.png")
+
+
+def cannot_write(out: Path) -> Optional[str]:
+    """Why the study's files cannot be written in ``out``, or None: checked before any run (until 2026-12-04
+    such a folder failed after the pilot, with a traceback; a user's hunt). ``out`` need not exist; a file on
+    its way is ``output_dir``'s error."""
+    from fismo_core._paths import NotARegularFileError, cannot_write_in, writable_target
+
+    folder = next(p for p in (out, *out.parents) if p.exists())  # the folder made first, out or one above it
+    reason = cannot_write_in(folder)
+    if reason is not None:
+        return f"cannot write in {folder}: {reason}"
+    for name in OUTPUTS:
+        try:
+            writable_target(out / name)
+        except NotARegularFileError as error:
+            return str(error)
+    return None
+
+
 def write_outputs(doc: Mapping[str, Any], out: Path) -> tuple[str, list[str]]:
-    """``report.md`` and ``scaling_gain.png`` from a finished document; returns the report and the files written."""
+    """``report.md`` and ``scaling_gain.png`` from a finished document; returns the report and the files written.
+
+    Both or neither (`staged_files`); the report in UTF-8, not the locale's encoding: it has − and ×, which
+    until 2026-12-04 raised ``UnicodeEncodeError`` under an ASCII locale and left ``report.md`` empty.
+    """
+    from fismo_core._paths import staged_files
+
     report = markdown_report(doc)
-    written = ["results.json", "report.md"]
-    if plot_gain(doc, out / "scaling_gain.png"):
-        written.append("scaling_gain.png")
-    else:
-        report += "\n**Figure skipped**: matplotlib is not installed (pip install matplotlib).\n"
-    (out / "report.md").write_text(report)
+    written = ["report.md"]
+    with staged_files(out) as staged:
+        if plot_gain(doc, staged("scaling_gain.png")):
+            written.append("scaling_gain.png")
+        else:
+            report += "\n**Figure skipped**: matplotlib is not installed (pip install matplotlib).\n"
+        staged("report.md").write_text(report, encoding="utf-8")
     return report, written
+
+
+#: Per mode, the options it does not use (argparse destinations), and why: until 2026-12-04 they were ignored
+#: without a word, and --report-only wrote the report of the file's preset whatever --preset said (a user's hunt).
+UNUSED_BY = {
+    "report_only": (("preset", "candidate", "jobs", "pilot_steps", "fresh", "estimate_only"),
+                    "which reads the study's settings from DIR/results.json"),
+    "estimate_only": (("out", "fresh"), "which writes nothing"),
+}
+DEFAULT_PRESET, DEFAULT_OUT = "full", Path("scaling-results")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from _arguments import output_dir, positive_int  # docs/scripts/, on sys.path when the script runs
 
+    from fismo_core.demo import _print_in_any_encoding
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="default: %(default)s")
-    parser.add_argument("--out", type=output_dir, default="scaling-results",
-                        help="output folder (default: %(default)s)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help=f"default: {DEFAULT_PRESET}")
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     parser.add_argument("--jobs", type=positive_int, default=2, help="parallel worker processes (default: %(default)s)")
-    parser.add_argument("--fresh", action="store_true", help="train every run again, ignoring DIR/results.json")
+    parser.add_argument("--fresh", action="store_true",
+                        help="train every run again, replacing DIR/results.json (whatever it holds)")
     parser.add_argument("--estimate-only", action="store_true",
                         help="time pilot steps (one run at a time), print the estimate for --jobs, stop")
     parser.add_argument("--pilot-steps", type=positive_int, help="timed steps per size and optimizer for the estimate")
@@ -788,9 +927,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"the training configuration studied: {CANDIDATE} (default) or {CANDIDATE}-<modifier>, "
                              "settings changed by modifiers, e.g. FISMO-T-mu1e-3 (damping 1e-3), FISMO-T-mu1e-3-fp32mm; "
                              "fismo_core.demo.optimizers")
-    parser.add_argument("--report-only", action="store_true", help="write report.md and the plot from DIR/results.json")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write report.md and the plot from DIR/results.json (its preset and candidate)")
     args = parser.parse_args(argv)
-    preset = PRESETS[args.preset]
+    for mode, (dests, why) in UNUSED_BY.items():
+        given = [f"--{dest.replace('_', '-')}" for dest in dests if getattr(args, dest) != parser.get_default(dest)]
+        if getattr(args, mode) and given:
+            parser.error(f"{', '.join(given)}: not used by --{mode.replace('_', '-')}, {why}")
+    preset = PRESETS[args.preset or DEFAULT_PRESET]
     if preset.device.startswith("cuda") and not args.report_only and not torch.cuda.is_available():
         parser.error(f"preset {preset.name!r} runs on {preset.device!r}, but torch sees no CUDA device")
     if args.pilot_steps is not None:
@@ -800,11 +944,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_preset(preset)
     except ValueError as error:
         parser.error(str(error))
+    if not args.estimate_only and (problem := cannot_write(args.out)) is not None:
+        parser.error(f"argument --out: {problem}")
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if args.report_only:
         path = args.out / "results.json"
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             parser.error(f"--report-only: {path} does not exist; run the study into {args.out} first")
         except (OSError, ValueError) as error:  # a cut file, not text, unreadable
@@ -816,7 +962,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             parser.error(f"--report-only: {path} says it is complete but lacks the study's fields "
                          f"({type(error).__name__}: {error}); run the study again with --fresh")
-    elif args.estimate_only:  # the pilot one run at a time, so that its runs do not share the cores
+        report, written = write_outputs(doc, args.out)
+        _print_in_any_encoding(report)
+        _print_in_any_encoding(f"Wrote {', '.join(str(args.out / name) for name in written)} from {path}.")
+        return 0
+    if args.estimate_only:  # the pilot one run at a time, so that its runs do not share the cores
         executor = _Executor(1)
         try:
             by_wall, by_cpu = pilot(preset, executor, log)
@@ -824,12 +974,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             executor.close()
         print(_estimate_line(preset, by_wall, by_cpu, args.jobs))
         return 0
-    else:
-        command = " ".join(["python docs/scripts/scaling_study.py", *(argv if argv is not None else sys.argv[1:])])
-        doc = run_study(preset, args.out, args.jobs, resume=not args.fresh, command=command, log=log)
+    if not args.fresh and (conflict := resume_conflict(args.out, preset)) is not None:
+        parser.error(f"{conflict}; choose another --out, or pass --fresh to replace it")
+    command = shlex.join(["python", "docs/scripts/scaling_study.py", *(argv if argv is not None else sys.argv[1:])])
+    doc = run_study(preset, args.out, args.jobs, resume=not args.fresh, command=command, log=log)
     report, written = write_outputs(doc, args.out)
-    print(report)
-    print(f"Wrote {', '.join(f'{args.out}/{name}' for name in written)} in {_minutes(doc['seconds'])}.")
+    _print_in_any_encoding(report)
+    _print_in_any_encoding(f"Wrote {', '.join(str(args.out / name) for name in ['results.json', *written])} "
+                           f"in {_minutes(doc['seconds'])}.")
     return 0
 
 
