@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule  # what torch.compile(model) returns
 from torch.fx.experimental.symbolic_shapes import guard_scalar
+from torch.nn.utils.weight_norm import WeightNorm as _WeightNorm  # the deprecated weight_norm's hook
 from torch.optim.adamw import adamw as _adamw
 
 from fismo_core.guards import MUON_KEYWORDS, MUON_POLAR_KEYWORDS, foreign_keyword_error
@@ -795,6 +796,12 @@ def _weight_parameters(m: torch.nn.Module) -> list[torch.nn.Parameter]:
             return [originals["original"]]
         return [p for p in originals.values() if not _a_vector(p)]
     weight = m._parameters.get("weight")
+    if weight is None and any(isinstance(hook, _WeightNorm) and hook.name == "weight"
+                              for hook in m._forward_pre_hooks.values()):
+        # The deprecated torch.nn.utils.weight_norm: the direction weight_v has the weight's shape (a conv
+        # kernel's went to AdamW as "no conv weight" until 2026-12-04; a user's hunt), weight_g is the magnitude.
+        direction = m._parameters.get("weight_v")
+        return [direction] if direction is not None else []
     return [weight] if weight is not None else []
 
 

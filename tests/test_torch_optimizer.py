@@ -978,6 +978,29 @@ def test_param_groups_on_the_tensors_real_models_hold():
     assert torch.equal(spectral.parametrizations.weight[0]._u, u_before)  # param_groups changed nothing
 
 
+def test_param_groups_splits_the_deprecated_weight_norm_as_the_parametrization():
+    """``torch.nn.utils.weight_norm`` (deprecated, still in use) replaces a layer's ``weight`` by ``weight_g``
+    (the magnitude) and ``weight_v`` (the direction, the weight's shape). A conv kernel's ``weight_v`` went to
+    AdamW with the warning for stacked experts, while ``parametrizations.weight_norm`` puts its direction on
+    FISMO (a user's hunt, 2026-12-04). Both APIs split alike now: the direction on FISMO, the magnitude on
+    AdamW, without a warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the old API
+        old = torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Conv2d(3, 8, 3)),
+                                  torch.nn.utils.weight_norm(torch.nn.Linear(8, 6)), torch.nn.Linear(6, 2))
+    new = torch.nn.Sequential(torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv2d(3, 8, 3)),
+                              torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 6)), torch.nn.Linear(6, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        old_fismo, old_adamw = _split(param_groups(old))
+        new_fismo, _ = _split(param_groups(new))
+    assert old_fismo == {id(old[0].weight_v), id(old[1].weight_v)}
+    assert {id(old[0].weight_g), id(old[1].weight_g)} <= old_adamw
+    assert len(new_fismo) == len(old_fismo) == 2
+
+
 def test_param_groups_head_errors_and_warning():
     lm = _TinyLM()
     with pytest.raises(ValueError, match=r"head='decoder' is neither a submodule nor a parameter.*'lm_head'"):
