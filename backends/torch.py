@@ -199,7 +199,8 @@ class FISMO(Optimizer):
         ``torch.optim.Muon``; ``(m, n)`` is the (flattened) matrix shape.
         Scales the step ``- lr * dW`` only, not the weight decay (as Muon).
     nonfinite:
-        What a NaN or infinity in a gradient (or a parameter) does, in every
+        What a NaN or infinity in a gradient (or, under ``"raise"``, in a
+        parameter: ``"skip"`` checks gradients only) does, in every
         group, FISMO's and AdamW's: all are checked before anything changes,
         in one host read per step (``"skip"``: one more, for which parameters
         skip). ``"raise"`` (default): a ``ValueError``
