@@ -872,7 +872,8 @@ class FISMO:
         if self.gamma == 0.0 and self.mu == 0.0:
             raise ValueError(
                 "gamma=0 with mu=0 makes P_t and Q_t the current gradient's statistics alone, without a floor: "
-                "singular whenever G is not of full rank, as every non-square G (the paper's positivity "
+                "one of them is singular for every non-square G (P for a tall one, Q for a wide one), both for a "
+                "G of rank below min(m, n) (the paper's positivity "
                 "argument needs gamma > 0 or mu > 0). Give mu > 0 or gamma > 0"
             )
         set_(self, "weight_decay", _check_real("weight_decay", self.weight_decay, 0.0))

@@ -1175,6 +1175,41 @@ def test_erratum_algorithm_damping_is_mu_times_identity_not_theorem_1s() -> None
     assert np.max(theorem[-1]) > 1.5  # at step 50 Theorem 1 would damp P more than 1.5x as strongly
 
 
+def _lemma_run(steps: int = 30) -> list[tuple[float, float, float, float]]:
+    """Algorithm 1 on L(W) = ||W - A||_F^2 / 2 (smooth with L = 1) with exact gradients and beta = 0, so that the
+    convergence lemma's two error terms are 0. Per step: (K_PQ, L(W_t), the lemma's bound, the corrected bound)."""
+    m, n, eta = 6, 4, 1e-3
+    A = np.diag(np.geomspace(0.1, 10, m)) @ np.random.default_rng(0).standard_normal((m, n))  # anisotropic
+    loss = lambda W: 0.5 * float(np.sum((W - A) ** 2))  # noqa: E731
+    nuclear = lambda X: float(np.linalg.svd(X, compute_uv=False).sum())  # noqa: E731
+    opt = FISMO(lr=eta, beta=0.0, gamma=0.5, mu=1e-3, polar="svd")
+    W = np.zeros((m, n))
+    state, out = opt.init(W), []
+    for _ in range(steps):
+        G = W - A  # the exact gradient
+        W_new, state, lines = opt.step_lines(W, G, state)
+        P_inv_sqrt, Q_inv_sqrt = np.asarray(lines.P_inv_sqrt), np.asarray(lines.Q_inv_sqrt)
+        K = float(np.linalg.norm(P_inv_sqrt, 2) * np.linalg.norm(Q_inv_sqrt, 2))
+        lemma = loss(W) - eta * K * nuclear(G) + eta**2 / 2 * min(m, n) * K**2
+        # <grad, D> = ||P^-1/2 G Q^-1/2||_* >= ||G||_* / (||P^1/2||_2 ||Q^1/2||_2): the lower bound the proof needs
+        sqrt_norms = float(np.linalg.norm(np.linalg.inv(P_inv_sqrt), 2) * np.linalg.norm(np.linalg.inv(Q_inv_sqrt), 2))
+        corrected = loss(W) - eta * nuclear(G) / sqrt_norms + eta**2 / 2 * float(np.sum(np.asarray(lines.direction) ** 2))
+        out.append((K, loss(W_new), lemma, corrected))
+        W = W_new
+    return out
+
+
+def test_erratum_convergence_lemma_uses_an_upper_bound_where_it_needs_a_lower_one() -> None:
+    """Lemma lem:cvg-lem bounds L(W_t) with -eta K_PQ ||grad L||_*, but its proof gets there by plugging the upper
+    bound ||P^-1/2 grad Q^-1/2||_* <= K_PQ ||grad||_* (eq. cvg-lem-1) into a term with a minus sign, which needs a
+    lower bound (an independent reading, 2026-12-04). On a quadratic with exact gradients and beta = 0 (both error
+    terms 0) the lemma's bound fails at every step, and the bound with ||grad||_* / (||P^1/2||_2 ||Q^1/2||_2)
+    holds at every step (to rounding: 1e-9 on losses of about 146)."""
+    for K, loss_t, lemma, corrected in _lemma_run():
+        assert K > 1 and loss_t > lemma, (K, loss_t, lemma)
+        assert loss_t <= corrected + 1e-9, (loss_t, corrected)
+
+
 def test_non_finite_values_in_the_same_places_agree() -> None:
     """An output with NaN or infinity where NumPy float64 has the same (a log of zero, a masked fill)
     failed every target with an inf error; such entries now agree, as ``assert_allclose`` counts them,
