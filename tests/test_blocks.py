@@ -275,6 +275,10 @@ def test_a_failing_block_root_falls_back_for_its_matrix_only() -> None:
     assert [w.filename for w in record if w.category is InverseRootWarning] == [__file__]
     assert new.root_failures.tolist() == [0, 1]
     assert np.array_equal(new.P.full[1], bad[1]) and not np.array_equal(new.P.full[0], state.P.full[0])
+    # the whole P_{t-1} of that matrix, every block, and its cached root, as docs/guarantees.md promises
+    assert np.array_equal(new.P.rest[1], state.P.rest[1]) and not np.array_equal(new.P.rest[0], state.P.rest[0])
+    assert np.array_equal(new.P_inv_sqrt.full[1], state.P_inv_sqrt.full[1])
+    assert np.array_equal(new.P_inv_sqrt.rest[1], state.P_inv_sqrt.rest[1])
     assert np.all(np.isfinite(new.P_inv_sqrt.full))
 
 

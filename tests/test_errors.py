@@ -279,13 +279,17 @@ def test_non_finite_parameters_are_rejected(value: float) -> None:
 
 
 def test_non_finite_parameters_pass_through_the_other_policies() -> None:
-    """``nonfinite="skip"`` and ``"propagate"`` read nothing back: a NaN in W stays where it is, no error."""
+    """``nonfinite="skip"`` and ``"propagate"`` read nothing back: a NaN in W stays where it is, no error, and
+    the other entries step (as the same W without the NaN does)."""
     for policy in ("skip", "propagate"):
         opt = FISMO(nonfinite=policy)
         W = np.ones((4, 6))
         W[0, 0] = math.nan
-        W_new, _ = opt.step(W, np.ones((4, 6)), opt.init(W))
-        assert math.isnan(W_new[0, 0]) and np.all(np.isfinite(W_new[1:]))
+        G = np.random.default_rng(0).standard_normal((4, 6))
+        W_new, _ = opt.step(W, G, opt.init(W))
+        clean, _ = opt.step(np.ones((4, 6)), G, opt.init(W))
+        assert math.isnan(W_new[0, 0]) and np.all(np.isfinite(W_new.ravel()[1:]))
+        assert np.array_equal(W_new.ravel()[1:], clean.ravel()[1:]) and not np.array_equal(clean, np.ones((4, 6)))
 
 
 # -------------------------------------------------------- hyperparameters

@@ -1155,3 +1155,19 @@ def test_flax_nnx_optimizer_steps_as_the_pure_pytree(name: str) -> None:
     ours, pure = nnx.state(model, nnx.Param), params
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(pure)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------ non-finite gradients
+def test_a_nan_under_jit_or_propagate_flows_into_the_state() -> None:
+    """docs/guarantees.md: under ``jax.jit`` the default ``"raise"`` cannot read a flag (nothing can be read inside
+    a trace), so its check is left out and a NaN propagates; under ``"propagate"`` eager JAX's ``eigh`` returns
+    NaN rather than raising (NumPy's and torch's raise), and it flows into the state. Neither raises; both leave
+    NaN in W, P and M."""
+    W = jnp.asarray(np.full(SHAPE, 0.1))
+    G = np.random.default_rng(0).standard_normal(SHAPE)
+    G[0, 0] = np.nan
+    G = jnp.asarray(G, dtype=W.dtype)
+    for opt, jit in ((FISMO(), True), (FISMO(nonfinite="propagate"), False)):
+        step = jax.jit(opt.step) if jit else opt.step
+        W_new, state = step(W, G, opt.init(W))
+        assert bool(jnp.isnan(W_new).any()) and bool(jnp.isnan(state.P).any()) and bool(jnp.isnan(state.M).any())

@@ -459,6 +459,12 @@ def test_degenerate_gradients_give_finite_sensible_steps(target: Target, case: s
         assert max_relative_error(d, d_ref) <= tol
     for f in ("P", "Q"):
         assert max_relative_error(getattr(state, f), getattr(state_ref, f)) <= tol, f
+    if case == "1e-30":  # docs/guarantees.md: P and Q stay at I to rounding (the data term is 1e-60, far below
+        # mu), and the step is small (Newton-Schulz's eps dominates the tiny norm: about 1e-22, not lr's 2e-2)
+        eps = float(np.finfo(target.dtype).eps)
+        for A in (_np(state.P), _np(state.Q)):
+            assert np.abs(A - np.eye(A.shape[-1])).max() <= 10 * eps
+        assert np.abs(W - W0.astype(target.dtype)).max() < 1e-15  # W0 as the target holds it
 
 
 def test_huge_float64_gradients_whose_squares_overflow(target64: Target) -> None:
