@@ -382,8 +382,9 @@ def test_the_products_refuse_two_libraries() -> None:
 def test_a_blocked_state_fed_to_the_wrong_optimizer_is_refused() -> None:
     W = np.zeros((9, 6))
     state = FISMO(block_size=4).init(W)
-    with pytest.raises(ValueError, match="another block_size"):
-        FISMO().step(W, np.ones_like(W), state)
+    for block_size in (None, 2, 3, 5):  # none, or another one (docs/guarantees.md)
+        with pytest.raises(ValueError, match="another block_size"):
+            FISMO(block_size=block_size).step(W, np.ones_like(W), state)
 
 
 def test_step_lines_are_the_quantities_of_the_step() -> None:

@@ -153,6 +153,8 @@ def test_state_must_be_a_fismo_state() -> None:
 def test_non_array_W_is_rejected() -> None:
     opt, W, G, state = _numpy_setup()
     _raises_and_untouched(lambda: opt.step(W.tolist(), G, state), state, TypeError, r"W must be an array of an array-API-compatible library, got list")
+    for other, kind in ((1.0, "float"), (None, "NoneType")):  # docs/guarantees.md: lists, floats, None
+        _raises_and_untouched(lambda: opt.step(other, G, state), state, TypeError, rf"W must be an array.*got {kind}")
     with pytest.raises(TypeError, match=r"W must be an array.*got list"):
         opt.init(W.tolist())
 
@@ -327,6 +329,12 @@ HYPERPARAMETER_ERRORS = [
     ({"weight_decay": -0.1}, ValueError, r"weight_decay must lie in \[0\.0, inf\)"),
     ({"weight_decay": math.nan}, ValueError, r"weight_decay must be a finite real number"),
     ({"weight_decay": True}, ValueError, r"weight_decay must be a finite real number, got True"),
+    # inf and str for the others too, as docs/guarantees.md's row says (an audit, 2026-12-04)
+    ({"weight_decay": math.inf}, ValueError, r"weight_decay must be a finite real number, got inf"),
+    ({"beta": math.inf}, ValueError, r"beta must be a finite real number, got inf"),
+    ({"beta": "0.9"}, ValueError, r"beta must be a finite real number, got '0\.9'"),
+    ({"gamma": "x"}, ValueError, r"gamma must be a finite real number, got 'x'"),
+    ({"mu": True}, ValueError, r"mu must be a finite real number, got True"),
     # an array where a number is wanted: the message says the type is the problem, not the value
     ({"weight_decay": np.asarray(0.1)}, ValueError,
      r"weight_decay must be a finite real number \(a Python number, not an array of shape \(\)\), got array\(0\.1\)"),
