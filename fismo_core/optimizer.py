@@ -653,27 +653,21 @@ def _as_triples(value: Any) -> Optional[tuple[tuple[float, ...], ...]]:
         return None
 
 
-#: Newton–Schulz coefficients as `_schedule` gives them: the triples and the norm safety factor.
-_Schedule = tuple[tuple[tuple[float, ...], ...], float]
-
-
-def _schedule(value: Any) -> Optional[_Schedule]:
-    """Newton–Schulz coefficients as the triples they run and their norm safety factor (a preset name's
-    too); ``None`` for what is not coefficients (the constructors' checks refuse it, naming it)."""
+def _schedule_length(value: Any) -> int:
+    """How many (a, b, c) triples coefficients hold before their last repeats (0 for what is not coefficients)."""
     if isinstance(value, str):
-        named = linalg._NAMED_SCHEDULES.get(value)
-        return None if named is None else (named, linalg._NORMALIZATION_SAFETY[value])
-    triples = _as_triples(value)
-    return None if triples is None else (triples, 1.0)
+        return len(linalg._NAMED_SCHEDULES.get(value, ()))
+    return len(_as_triples(value) or ())
 
 
-def _same_iteration(a: _Schedule, b: _Schedule) -> bool:
-    """Whether two `_schedule` results run the same iteration at every step count (a schedule repeats its
-    last triple: ``((a, b, c),)`` and ``((a, b, c), (a, b, c))`` are one)."""
-    (first, first_safety), (second, second_safety) = a, b
-    n = max(len(first), len(second))
-    return first_safety == second_safety and all(
-        first[min(k, len(first) - 1)] == second[min(k, len(second) - 1)] for k in range(n))
+def _schedule(value: Any, steps: int) -> Optional[tuple[Any, float]]:
+    """What coefficients run for ``steps`` steps, a preset name's included: `linalg.newton_schulz_schedule`'s
+    triples and norm safety factor; ``None`` for what is not coefficients (the constructors refuse it)."""
+    coefficients: Any = value if isinstance(value, str) else _as_triples(value)  # None: refused below
+    try:
+        return linalg.newton_schulz_schedule(coefficients, steps)
+    except (TypeError, ValueError):
+        return None
 
 
 def check_muon_polar(where: str, given: Mapping[str, tuple[str, Any, Any]], polar: Any) -> None:
@@ -696,11 +690,12 @@ def check_muon_polar(where: str, given: Mapping[str, tuple[str, Any, Any]], pola
     for argument, (name, value, default) in given.items():
         if name not in fields:
             continue
-        if name == "coefficients":
-            mine, default, theirs = _schedule(value), _schedule(default), _schedule(fields[name])
-            if mine is None or theirs is None or (default is not None and _same_iteration(mine, default)):
+        if name == "coefficients":  # compared over the longest schedule: each repeats its last triple after it
+            steps = max(1, *map(_schedule_length, (value, default, fields[name])))
+            mine, default, theirs = (_schedule(c, steps) for c in (value, default, fields[name]))
+            if mine is None or theirs is None or mine == default:
                 continue
-            agree = _same_iteration(mine, theirs)
+            agree = mine == theirs
         else:
             if value is None or fields[name] is None or value == default:
                 continue
