@@ -57,3 +57,9 @@ def output_file(text: str) -> Path:
     if blocked is not None:
         raise argparse.ArgumentTypeError(f"{blocked} is not a directory")
     return path
+
+
+def options_given(parser: argparse.ArgumentParser, args: argparse.Namespace, dests: tuple[str, ...]) -> list[str]:
+    """The options among ``dests`` (argparse destinations) given another value than their default, as
+    ``--option``: for a script to refuse the options a mode or section it runs does not use."""
+    return [f"--{dest.replace('_', '-')}" for dest in dests if getattr(args, dest) != parser.get_default(dest)]

@@ -578,7 +578,7 @@ SECTION_OPTIONS = {"deviation": ("steps", "block"),
 
 
 def main() -> None:
-    from _arguments import output_file, positive_int  # docs/scripts/, on sys.path when the script runs
+    from _arguments import options_given, output_file, positive_int  # docs/scripts/, on sys.path when the script runs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=positive_int, default=5)
@@ -604,7 +604,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.only is not None:  # an option of a section that does not run was silently ignored
         for section, dests in SECTION_OPTIONS.items():
-            given = [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != parser.get_default(d)]
+            given = options_given(parser, args, dests)
             if given and section != args.only:
                 parser.error(f"{', '.join(given)}: for the {section} section, which --only {args.only} does not run")
     store = MODEL_JSON if args.json is None else args.json

@@ -909,7 +909,7 @@ DEFAULT_PRESET, DEFAULT_OUT = "full", Path("scaling-results")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from _arguments import output_dir, positive_int  # docs/scripts/, on sys.path when the script runs
+    from _arguments import options_given, output_dir, positive_int  # docs/scripts/, on sys.path when the script runs
 
     from fismo_core.demo import _print_in_any_encoding
 
@@ -931,7 +931,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="write report.md and the plot from DIR/results.json (its preset and candidate)")
     args = parser.parse_args(argv)
     for mode, (dests, why) in UNUSED_BY.items():
-        given = [f"--{dest.replace('_', '-')}" for dest in dests if getattr(args, dest) != parser.get_default(dest)]
+        given = options_given(parser, args, dests)
         if getattr(args, mode) and given:
             parser.error(f"{', '.join(given)}: not used by --{mode.replace('_', '-')}, {why}")
     preset = PRESETS[args.preset or DEFAULT_PRESET]

@@ -59,7 +59,7 @@ CHECK_RTOL = 1e-3
 """Largest difference `--check` accepts, relative to each array's largest entry. The recording is float32
 training, whose rounding follows the CPU's kernels: with torch's AVX-512 kernels (those it was recorded with)
 the file is reproduced exactly, with its AVX2 kernels to 1.7e-6 and with its default (unvectorised) ones to
-6.7e-5 (2026-12-04, an AVX-512 Xeon, ``ATEN_CPU_CAPABILITY``); a recording of another seed, step or model
+6.7e-5 (2026-12-04, an AMD EPYC with AVX-512, ``ATEN_CPU_CAPABILITY``); a recording of another seed, step or model
 differs by O(1)."""
 
 #: stream name -> (task, parameter names stacked into one stream)
