@@ -435,9 +435,9 @@ def validate_fismo_hparams(hp: dict, where: str) -> None:
         )
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{prefix}{exc}") from exc
-    # Python floats (a NumPy scalar as given, np.float64) and plain dicts, so that a state_dict loads with
-    # torch.load(weights_only=True); a tensor beta is kept, the object the caller may change in place.
-    for name in ("beta", "gamma", "mu", "weight_decay"):
+    # Python floats and bools (a NumPy scalar as given, np.float64, np.True_) and plain dicts, so that a
+    # state_dict loads with torch.load(weights_only=True); a tensor beta is kept, the object the caller may change in place.
+    for name in ("beta", "gamma", "mu", "weight_decay", "nesterov"):
         hp[name] = getattr(core, name)
     hp["polar"] = dataclasses.asdict(core.polar)
     hp["inv_root"] = dataclasses.asdict(core.inv_root)

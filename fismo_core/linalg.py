@@ -421,10 +421,17 @@ class LinalgInputError(ValueError):
     """
 
 
-def _check_flag(check: Any) -> bool:
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be True or False, got {check!r}")
-    return check
+def _check_bool(name: str, value: Any) -> bool:
+    """``value`` as a Python ``bool``; a ``TypeError`` naming ``name`` unless it is ``True`` or ``False``.
+
+    The one check of every flag in the package (``check``, ``nesterov``). A
+    NumPy ``bool_`` (a flag read from a NumPy array or a config) counts, as
+    ``torch.optim`` takes one; ``1`` or ``"yes"`` do not.
+    """
+    numpy = sys.modules.get("numpy")  # not imported for this: without NumPy no NumPy bool can exist
+    if isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -832,7 +839,7 @@ def polar(
     """
     xp = _check_float_matrices(X, "X")
     rtol = _check_rtol(rtol)
-    checked = _check_flag(check)
+    checked = _check_bool("check", check)
     # Comparisons, not math.isfinite: torch.compile(dynamic=True) reads a cached core's eps as a symbolic
     # float, which comparisons guard on and math.isfinite breaks the graph at (NaN fails both).
     # An int past float's range (10**400) compares below inf and raised OverflowError at float() below.
@@ -994,7 +1001,7 @@ def inverse_sqrt(
         coefficients = tuple(coefficients)
     schedule, safety = newton_schulz_schedule(coefficients, inverse_sqrt_steps(coefficients, steps))
     # The arguments are valid; now the values. A 0 x 0 matrix has nothing to check, nor to iterate on.
-    checked = _check_flag(check) and A.shape[-1] > 0 and _checks_can_run(xp, A, "A", "inverse_sqrt")
+    checked = _check_bool("check", check) and A.shape[-1] > 0 and _checks_can_run(xp, A, "A", "inverse_sqrt")
     if method == "newton_schulz" and A.shape[-1] == 0:
         return xp.zeros_like(A)
     if checked or method == "newton_schulz":

@@ -872,8 +872,7 @@ class FISMO:
                 "argument needs gamma > 0 or mu > 0). Give mu > 0 or gamma > 0"
             )
         set_(self, "weight_decay", _check_real("weight_decay", self.weight_decay, 0.0))
-        if not isinstance(self.nesterov, bool):
-            raise TypeError(f"nesterov must be True or False, got {self.nesterov!r}")
+        set_(self, "nesterov", linalg._check_bool("nesterov", self.nesterov))
         guards.check_nonfinite_policy(self.nonfinite)
         if self.statistics not in ("printed", "scale_invariant"):
             raise ValueError(f"statistics must be 'printed' or 'scale_invariant', got {self.statistics!r}")

@@ -832,8 +832,10 @@ def test_wrappers_that_trace_the_update_leave_out_the_eager_checks(wrapper: str)
     assert (finite, warned) == (True, 2)
     if wrapper == "vmap":  # the roots' check is left out: no repair, no warning, another trajectory
         finite, warned, members = run(fismo(0.02), members=2)
-        # Measured: the members' params reach 6.4e13 in absolute difference from the repaired run's (about 1).
-        assert warned == 0 and float(jnp.max(jnp.abs(members[0] - repaired))) > 1.0
+        # Measured: the members' params reach 6.4e13 in absolute difference from the repaired run's (about 1)
+        # on an AMD EPYC, and NaN on an Intel Xeon (AVX-512): unrepaired either way, so "not within 1" (NaN
+        # included), not "differs by more than 1", which a NaN fails.
+        assert warned == 0 and not bool(jnp.all(jnp.abs(members[0] - repaired) <= 1.0))
         return
     wrapped = optax.apply_if_finite(fismo(0.02), 3) if wrapper == "apply_if_finite" else optax.MultiSteps(fismo(0.02), 1)
     assert run(wrapped)[:2] == (False, 0)

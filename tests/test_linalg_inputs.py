@@ -488,11 +488,26 @@ def test_check_false_runs_no_check() -> None:
         assert np.all(np.isnan(polar(np.array([[1.0, math.nan]]), check=False)))
 
 
-@pytest.mark.parametrize("check", [1, 0, None, "yes", np.bool_(True)])
+@pytest.mark.parametrize("check", [1, 0, None, "yes"])
 def test_check_must_be_a_bool(check) -> None:
     for function in (polar, inverse_sqrt):
         with pytest.raises(TypeError, match="check must be True or False"):
             function(np.eye(2), check=check)
+
+
+@pytest.mark.parametrize("check", [np.True_, np.False_])
+def test_a_numpy_bool_check_is_the_python_bool(check) -> None:
+    """A flag read from a NumPy array is a flag, as for ``nesterov`` (the package's one check of flags): a
+    NumPy ``True`` checks (the NaN refused), a NumPy ``False`` does not."""
+    for function in (polar, inverse_sqrt):
+        assert np.array_equal(function(4.0 * np.eye(2), check=check), function(4.0 * np.eye(2), check=bool(check)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's own warning for the NaN, unchecked
+            if check:
+                with pytest.raises(LinalgInputError):
+                    function(np.array([[1.0, math.nan], [math.nan, 1.0]]), check=check)
+            else:
+                function(np.array([[1.0, math.nan], [math.nan, 1.0]]), check=check)
 
 
 def test_rank_deficient_polar_is_not_refused(target: Target) -> None:

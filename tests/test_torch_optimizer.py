@@ -142,6 +142,37 @@ def test_numpy_scalar_settings_are_stored_as_python_floats(name, value, scalar):
     assert torch.load(buffer, weights_only=True)["param_groups"][0][name] == float(scalar(value / 2))
 
 
+@pytest.mark.parametrize("flag", [np.True_, np.False_])
+def test_a_numpy_bool_nesterov_is_stored_as_a_python_bool(flag):
+    """``nesterov`` read from a NumPy array or a config is a NumPy bool, which ``torch.optim.Muon`` takes;
+    FISMO and ``FISMO.training`` (Muon's signature) refused it with a TypeError (a user's hunt, 2026-12-05).
+    It steps as ``bool(flag)`` and is stored as a Python bool, given to the constructor or set later, so a
+    state_dict loads with ``torch.load(weights_only=True)``. ``1`` is not a flag: still refused."""
+    gen = torch.Generator().manual_seed(0)
+    W, W_training = (torch.nn.Parameter(torch.randn(5, 7, generator=gen)) for _ in range(2))
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in (W, W_training)]
+    opts = [FISMO([W], lr=0.1, nesterov=flag), FISMO.training([W_training], nesterov=flag)]
+    twin_opts = [FISMO([twins[0]], lr=0.1, nesterov=bool(flag)), FISMO.training([twins[1]], nesterov=bool(flag))]
+    for step in range(3):
+        if step == 2:  # set later, as a schedule does
+            for opt, twin_opt in zip(opts, twin_opts):
+                opt.param_groups[0]["nesterov"], twin_opt.param_groups[0]["nesterov"] = np.bool_(not flag), not flag
+        for p, twin in zip((W, W_training), twins):
+            p.grad = torch.randn(5, 7, generator=gen)
+            twin.grad = p.grad.clone()
+        for opt in (*opts, *twin_opts):
+            opt.step()
+    assert torch.equal(W, twins[0]) and torch.equal(W_training, twins[1])
+    for opt in opts:
+        assert type(opt.param_groups[0]["nesterov"]) is bool and type(opt.defaults["nesterov"]) is bool
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        buffer.seek(0)
+        assert torch.load(buffer, weights_only=True)["param_groups"][0]["nesterov"] is (not flag)
+    with pytest.raises(TypeError, match="nesterov must be True or False, got 1"):
+        FISMO([W], lr=0.1, nesterov=1)
+
+
 def test_an_array_beta_of_another_library_is_refused():
     """A tensor ``beta`` is a graph input under ``torch.compile``; a NumPy array is not, and failed at the
     first step with ``unhashable type: 'numpy.ndarray'``. Refused at construction, and set in a group
