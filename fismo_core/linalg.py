@@ -138,7 +138,25 @@ def whiten(X: Array, left: Array, right: Array) -> Array:
             "whiten: X, left and right must share one dtype, got "
             f"{_dtype_name(X.dtype)}, {_dtype_name(left.dtype)} and {_dtype_name(right.dtype)}"
         )
+    _check_product_shapes(X, left, right)
     return (left @ X) @ right
+
+
+def _check_product_shapes(X: Array, left: Array, right: Array) -> None:
+    """A ``ValueError`` naming the three shapes unless ``left @ X @ right`` is defined: ``left``'s columns
+    are ``X``'s rows, ``right``'s rows ``X``'s columns, and the batch dimensions broadcast. Each library's
+    own error differs (NumPy a ValueError, torch a RuntimeError, JAX a TypeError) and names no argument;
+    a factor of the wrong side (``Q^{-1/2}`` for ``P^{-1/2}``) is the usual cause."""
+    batches = [tuple(a.shape[:-2]) for a in (X, left, right)]
+    batch_ok = all(
+        len({b[-k] for b in batches if len(b) >= k} - {1}) <= 1 for k in range(1, max(map(len, batches)) + 1)
+    )
+    if left.shape[-1] != X.shape[-2] or right.shape[-2] != X.shape[-1] or not batch_ok:
+        raise ValueError(
+            "whiten: left @ X @ right needs left's columns to be X's rows, right's rows X's columns and "
+            "broadcastable batch dimensions, got shapes "
+            f"X {tuple(X.shape)}, left {tuple(left.shape)}, right {tuple(right.shape)}"
+        )
 
 
 def _materialised_coefficients(coefficients: Any) -> Any:

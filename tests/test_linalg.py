@@ -931,6 +931,28 @@ def test_whiten_checks_each_argument(target: Target) -> None:
             whiten(*args)
 
 
+@pytest.mark.parametrize(
+    "X_shape, left_shape, right_shape",
+    [
+        ((6, 3), (6, 6), (6, 6)),  # right is the other side's factor
+        ((6, 3), (3, 3), (3, 3)),  # left is
+        ((6, 3), (3, 3), (6, 6)),  # both swapped
+        ((2, 6, 3), (4, 6, 6), (3, 3)),  # batches 2 and 4 do not broadcast
+    ],
+)
+def test_whiten_refuses_factors_that_do_not_fit_before_any_product(target: Target, X_shape, left_shape, right_shape) -> None:
+    """A factor of the wrong side reached ``@``: each library raised its own error (NumPy a ValueError, torch a
+    RuntimeError, JAX a TypeError), none naming an argument (a user's hunt, 2026-12-05). One ValueError with
+    the three shapes now, on every backend."""
+    X, left, right = (target.asarray(np.ones(shape)) for shape in (X_shape, left_shape, right_shape))
+    shapes = rf"X \({', '.join(map(str, X_shape))}\), left \({', '.join(map(str, left_shape))}\)"
+    with pytest.raises(ValueError, match=rf"^whiten: left @ X @ right needs .* got shapes {shapes}"):
+        whiten(X, left, right)
+    # What fits still runs: non-square factors (a two-sided product, not only a whitening) and batch 1.
+    fits = whiten(target.asarray(np.ones((1, 6, 3))), target.asarray(np.ones((2, 4, 6))), target.asarray(np.ones((3, 5))))
+    assert tuple(fits.shape) == (2, 4, 5)
+
+
 def test_unknown_names_raise_value_error(target: Target) -> None:
     X = target.asarray(np.eye(3))
     with pytest.raises(ValueError, match=r"unknown polar method 'qr': use 'newton_schulz' or 'svd'"):

@@ -194,7 +194,9 @@ def test_polar_of_the_whole_matrix_not_of_its_tiles(m: int, n: int, B: int) -> N
     the check would fail if the blocks leaked into the polar factor.
     Measured: the tiles' polar factors have ``||Phi||_2`` from 1.73 to 2.28,
     and scaled onto the boundary reach at most 0.72 of the optimal value on
-    these cases; asserted > 1.001 and < 0.95.
+    these cases (0.68 to 0.72): docs/scaling.md quotes both ranges, asserted
+    here with their last digit's margin (NumPy float64 on fixed seeds: any CPU's
+    BLAS moves them by rounding, ~1e-15, not by 0.01).
     """
     rng = np.random.default_rng(11 * m + n)
     G = rng.standard_normal((m, n))
@@ -206,11 +208,11 @@ def test_polar_of_the_whole_matrix_not_of_its_tiles(m: int, n: int, B: int) -> N
         for cols in _block_slices(n, B):
             U, _, Vh = np.linalg.svd(G_white[rows, cols], full_matrices=False)
             Phi_tiles[rows, cols] = U @ Vh
-    assert np.linalg.norm(Phi_tiles, 2) > 1 + 1e-3  # infeasible as it stands
+    assert 1.725 <= np.linalg.norm(Phi_tiles, 2) <= 2.285  # infeasible as it stands
     dW_tiles = P_ih @ (Phi_tiles / np.linalg.norm(Phi_tiles, 2)) @ Q_ih
     assert abs(np.linalg.norm(P_h @ dW_tiles @ Q_h, 2) - 1) <= TOL_THM2
     optimum = float(np.sum(G * _theorem_2_direction(G, P, Q)))
-    assert float(np.sum(G * dW_tiles)) < 0.95 * optimum
+    assert 0 < float(np.sum(G * dW_tiles)) / optimum <= 0.725
 
 
 # ------------------------------------------------------------------ 2. Theorem 1, block-diagonal
