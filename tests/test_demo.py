@@ -337,6 +337,32 @@ def test_journal_reuses_finished_runs(tmp_path: Path, monkeypatch: pytest.Monkey
         run_many(other, jobs=1, journal=journal)
 
 
+def test_a_journal_from_another_cpu_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal's key held the spec and the fismo and torch versions only, so an interrupted demo's folder
+    resumed on another CPU mixed two CPUs' runs under this one's digest key. Its key is `digest_key` now."""
+    import fismo_core.demo.report as report_module
+    import fismo_core.demo.run as run_module
+
+    specs = [RunSpec(DigitsTask(), "SGD", 0.02, seed=0, steps=3, adamw_lr=3e-3, eval_every=3, measure_every=3,
+                     warmup=1)]
+    journal = tmp_path / "journal.jsonl"
+    run_many(specs, jobs=1, journal=journal)
+    monkeypatch.setattr(report_module, "_cpu_model", lambda: "Another CPU 9000")
+    monkeypatch.setattr(run_module, "_train_one_thread", lambda spec: pytest.fail(f"{spec.optimizer} retrained"))
+    with pytest.raises(pytest.fail.Exception, match="SGD retrained"):
+        run_many(specs, jobs=1, journal=journal)
+
+
+def test_digest_key_names_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AMD EPYC and an Intel Xeon, both AVX512 with bfloat16 native, printed one key and two digests
+    (2026-12-05): the key names the CPU's model now."""
+    import fismo_core.demo.report as report_module
+
+    here = digest_key()
+    monkeypatch.setattr(report_module, "_cpu_model", lambda: "Another CPU 9000")
+    assert ", Another CPU 9000)" in digest_key() and digest_key() != here
+
+
 def test_beyond_edge_continues_the_grid_at_its_ratio() -> None:
     assert beyond_edge((0.01, 0.02, 0.04), 0.04) == 0.08
     assert beyond_edge((0.04, 0.01, 0.02), 0.01) == 0.005  # any order: the edges are the extremes

@@ -597,18 +597,24 @@ def digest_key() -> str:
     """What the result digest depends on besides the configuration, as one line.
 
     The code (fismo's version), the data (the text task reads the Python
-    standard library's source; the digits come from scikit-learn) and
-    torch's CPU kernels: torch picks them by CPU at run time (its CPU
-    capability, e.g. AVX2 or AVX512; ``ATEN_CPU_CAPABILITY`` and
-    ``ONEDNN_MAX_CPU_ISA`` or its older name ``DNNL_MAX_CPU_ISA`` force others), and kernels of another
-    instruction set round differently; and whether bfloat16 is native
-    (``bfloat16_is_native``), which decides FISMO-T's precision; and pytorch-optimizer's version, whose
-    SOAP is one of the runs (since 2026-12-04: a run without it, or with another, printed the same key and
-    another digest). The demo does no NumPy linear
-    algebra, so OpenBLAS's kernels are not part of the key. Two runs with
-    the same key and configuration give the same digest; with another key
-    the digest is expected to differ, so compare digests only under equal
-    keys.
+    standard library's source; the digits come from scikit-learn), the CPU
+    (its model name, as ``/proc/cpuinfo`` gives it) and torch's CPU kernels:
+    torch picks them by CPU at run time (its CPU capability, e.g. AVX2 or
+    AVX512; ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` or its older
+    name ``DNNL_MAX_CPU_ISA`` force others), and kernels of another
+    instruction set round differently; whether bfloat16 is native
+    (``bfloat16_is_native``), which decides FISMO-T's precision; and
+    pytorch-optimizer's version, whose SOAP is one of the runs (since
+    2026-12-04: a run without it, or with another, printed the same key and
+    another digest). The CPU's name is in the key since 2026-12-05: an AMD
+    EPYC and an Intel Xeon, both AVX512 with bfloat16 native, printed the
+    same key and two digests (torch's oneDNN and LAPACK choose kernels by
+    CPU beyond its capability). The demo does no NumPy linear algebra, so
+    OpenBLAS's kernels are not part of the key. Runs with the same key and
+    configuration have given the same digest wherever we repeated one; a
+    virtual machine's CPU name may hide its generation, so a key is the
+    evidence a digest should match, not a proof. With another key the
+    digest is expected to differ: compare digests only under equal keys.
     """
     from importlib import metadata
 
@@ -630,7 +636,7 @@ def digest_key() -> str:
     if forced:
         kernels += f", forced by {' '.join(forced)}"
     return (f"fismo {__version__}, Python {platform.python_version()}, torch {torch.__version__} "
-            f"({kernels}, {platform.machine()}), scikit-learn {versions['scikit-learn']}, "
+            f"({kernels}, {platform.machine()}, {_cpu_model()}), scikit-learn {versions['scikit-learn']}, "
             f"pytorch-optimizer {versions['pytorch-optimizer']}")
 
 

@@ -109,10 +109,12 @@ def _cost(spec: RunSpec) -> float:
 
 
 def _key(spec: RunSpec) -> str:
-    """What identifies a run in the journal: its whole spec and the versions of the code that trains it."""
-    from fismo_core import __version__
+    """What identifies a run in the journal: its whole spec and the report's `digest_key` (the code's
+    versions, the CPU and torch's kernels), so a journal carried to another CPU or another torch is not
+    reused there."""
+    from .report import digest_key  # report imports this module
 
-    return f"{spec!r} fismo {__version__} torch {torch.__version__}"
+    return f"{spec!r} {digest_key()}"
 
 
 def _load_journal(path: Optional[Path]) -> dict[str, RunResult]:
