@@ -25,6 +25,7 @@ from array_api_compat import torch as _compat_torch
 from fismo_core import linalg as _linalg
 from fismo_core import optimizer as _fismo  # the rules every adapter shares, looked up at each call
 
+from ._torch_eager_kernels import EagerKernels
 from ._torch_groups import numpy_scalar_keys
 
 _UserError: Any
@@ -50,21 +51,26 @@ class TracedRootSchedule(_fismo.RootSchedule):
     """
 
     any_due: torch.Tensor
+    #: Whether the branches run under `EagerKernels` (float64: the step's mode does not reach them).
+    eager_kernels: bool = False
 
     @classmethod
-    def of(cls, due: torch.Tensor, device: torch.device) -> "TracedRootSchedule":
-        """The schedule of a bucket from its matrices' ``due`` flags (``is_refresh_step`` of their step counts)."""
-        return cls(due.to(device), due.any())
+    def of(cls, due: torch.Tensor, device: torch.device, dtype: torch.dtype) -> "TracedRootSchedule":
+        """The schedule of a bucket from its matrices' ``due`` flags (``is_refresh_step`` of their step counts)
+        and its dtype (float64: the branches round as eager, `EagerKernels`)."""
+        return cls(due.to(device), due.any(), dtype == torch.float64)
 
     def choose(self, fresh: Callable[[], tuple], kept: Callable[[], tuple]) -> tuple:
         # Both branches lay their outputs out alike, as contiguous copies. (x.contiguous() kept a tensor
         # with a dimension of size 1 as it was, whose stride there may differ: torch.cond then refused
         # the branches' strides, for a 1 x n matrix with a blocked side; a user's hunt, 2026-12-03.)
         def some_due() -> tuple:
-            return tuple(_contiguous_copy(x) for x in _fismo.RootSchedule.choose(self, fresh, kept))
+            with EagerKernels() if self.eager_kernels else contextlib.nullcontext():
+                return tuple(_contiguous_copy(x) for x in _fismo.RootSchedule.choose(self, fresh, kept))
 
         def none_due() -> tuple:
-            return tuple(_contiguous_copy(x) for x in kept())
+            with EagerKernels() if self.eager_kernels else contextlib.nullcontext():
+                return tuple(_contiguous_copy(x) for x in kept())
 
         return tuple(torch.cond(self.any_due, some_due, none_due, ()))
 

@@ -71,6 +71,7 @@ from ._torch_groups import (
     validate_matrix_param,
 )
 from ._torch_compile import TracedRootSchedule, through_dynamo, warn_of_numpy_scalars
+from ._torch_eager_kernels import EagerKernels, wants_eager_kernels
 from ._torch_precision import bfloat16_is_native, onednn_isa_limit, training_precision
 from ._torch_state import (
     COUNTER_KEYS,
@@ -539,14 +540,22 @@ class FISMO(Optimizer):
             self._step()
         return loss
 
-    def _step(self) -> None:
-        """`step` without its closure, outside autocast."""
-        if torch.compiler.is_compiling():
+    def _step(self, in_eager_kernels: bool = False) -> None:
+        """`step` without its closure, outside autocast; ``in_eager_kernels``: called again by itself, compiled,
+        under `EagerKernels` (the groups set up)."""
+        if torch.compiler.is_compiling() and not in_eager_kernels:
             # _init_group checks the groups' settings first, eagerly (its refusals pass through dynamo).
             if self._init_group():
                 self._distributed_step_eagerly()
                 return
             self._static_shapes()
+            # A compiled float64 step rounds as eager. Not where the step reads the host: dynamo cannot
+            # resume that graph break inside the mode. (Otherwise the rest stays in this frame: run from
+            # another, a refusal after a host read's graph break lost the class dynamo lets through.)
+            if wants_eager_kernels(self.param_groups) and not self._step_reads_the_host():
+                with EagerKernels():
+                    self._step(in_eager_kernels=True)
+                return
         check_group_settings(self.param_groups)
         check_each_param_once(self.param_groups)
         check_states_fit(self.param_groups, self.state)
@@ -944,7 +953,7 @@ class FISMO(Optimizer):
             # not used by the algorithm; each parameter keeps its own in state["step"].
             if refresh is None:
                 due = core.inv_root.is_refresh_step(torch.stack([s["step"] for s in states]))
-                refresh = TracedRootSchedule.of(due, G_stack.device)
+                refresh = TracedRootSchedule.of(due, G_stack.device, G_stack.dtype)
             result = core.direction_with_faults(G_stack, stacked, refresh_roots=refresh)
             plan.calls.append(_CoreCall([p for p, _ in bucket], states, G_stack, stacked, refresh, result))
         return plan

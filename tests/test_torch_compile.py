@@ -152,6 +152,105 @@ def test_inductor_lite_mode_equals_eager_bit_for_bit(config):
         assert torch.equal(a, b)
 
 
+def _with_a_tall_matrix() -> torch.nn.Module:
+    """The MLP's matrices and a 256 x 64 one, the shape whose products BLAS rounded otherwise when inductor
+    laid their operands out its own way (found on the small GPT's matrices, 2026-12-05)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64, bias=False), torch.nn.Tanh(), torch.nn.Linear(64, 256, bias=False), torch.nn.Tanh(),
+        torch.nn.Linear(256, 5, bias=False),
+    ).double()
+
+
+@pytest.mark.parametrize(("config", "make_model"), [
+    ("defaults", _matrices_only), ("roots every 3, blocks", _matrices_only), ("defaults", _with_a_tall_matrix),
+], ids=["defaults", "roots every 3, blocks", "a 256 x 64 matrix"])
+def test_inductor_equals_eager_bit_for_bit_in_float64(config, make_model):
+    """Inductor's default mode, in float64: the adapter runs the step under ``EagerKernels``
+    (``backends/_torch_eager_kernels.py``), so the reductions, square roots, ``log2``, products and the
+    update's ``addcmul`` are ATen's eager kernels and the step equals eager bit for bit, a root refresh in
+    the ``torch.cond`` included (before 2026-12-05 it differed by up to 29 eps; its speed:
+    ``docs/scripts/inductor_float64.py``)."""
+    options = {"lr": 0.02, **CONFIGS[config]}
+    model = make_model()
+    twin = copy.deepcopy(model)
+    batches = _batches(model, STEPS + 2)
+    opt, eager_opt = (FISMO(m.parameters(), nonfinite="propagate", **copy.deepcopy(options)) for m in (model, twin))
+    _run(model, opt, batches, torch.compile(opt.step, fullgraph=True))
+    _run(twin, eager_opt, batches, eager_opt.step)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_only_a_float64_step_leaves_its_kernels_to_aten(dtype):
+    """In float32 inductor keeps its own kernels (faster; within ``tests/test_compile_core.py``'s
+    tolerances): the graph it gets holds no ``fismo::eager_*`` node. In float64 the reductions, roots and
+    products are such nodes, and nothing else of the step's floating-point reductions is left to inductor."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = _matrices_only().to(dtype)
+    opt = FISMO(model.parameters(), nonfinite="propagate", lr=0.02)
+    targets: list[str] = []
+
+    def forward_compiler(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    _run(model, opt, [x.to(dtype) for x in _batches(model, 1)], torch.compile(opt.step, backend=aot_autograd(fw_compiler=forward_compiler),
+                                                       fullgraph=True))
+    eager_kernels = [t for t in targets if t.startswith("fismo.eager_")]
+    reductions = [t for t in targets if t.startswith("aten.") and t.split(".")[1] in ("sum", "mean", "amax", "linalg_vector_norm", "sqrt",
+                                                            "log2", "mm", "bmm", "addcmul")]
+    if dtype == torch.float64:
+        assert eager_kernels and not reductions, reductions
+    else:
+        assert not eager_kernels and reductions
+
+
+def test_eager_kernels_give_each_functions_values_and_pass_the_rest_through():
+    """Traced under ``EagerKernels``, each call it takes over is one ``fismo::eager_*`` node that returns
+    what the function returns eagerly (its arguments by position or keyword, the array API's
+    ``keepdims``); a call with arguments it does not know (a ``dtype``) or on integers stays as it is.
+    Eagerly (outside dynamo's tracing) it takes nothing over."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fismo_core.backends._torch_eager_kernels import EagerKernels
+
+    def calls(A, B):
+        taken = (
+            torch.sum(A), torch.sum(A, -1), torch.sum(A, dim=(-2, -1), keepdims=True), A.sum(1, True),
+            torch.mean(A, dim=0), torch.amax(A, (-2, -1), keepdim=True), torch.linalg.vector_norm(A),
+            torch.linalg.vector_norm(A, 3, -1), torch.linalg.vector_norm(A, ord=float("inf"), dim=1, keepdim=True),
+            torch.linalg.matrix_norm(A), torch.linalg.matrix_norm(A, "nuc"),
+            torch.linalg.matrix_norm(A, ord=2, keepdim=True), torch.sqrt(A), A.log2(), A @ B, torch.matmul(A, B),
+            torch.addcmul(A, A, A, value=-0.5),
+        )
+        return taken + (torch.sum(A, dim=-1, dtype=torch.float32), torch.sum(torch.arange(5)))
+
+    def under_the_mode(A, B):
+        with EagerKernels():
+            return calls(A, B)
+
+    targets: list[str] = []
+
+    def forward_compiler(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.rand(3, 4, 5, generator=g, dtype=torch.float64)
+    B = torch.rand(3, 5, 2, generator=g, dtype=torch.float64)
+    expected = calls(A, B)
+    traced = torch.compile(under_the_mode, backend=aot_autograd(fw_compiler=forward_compiler), fullgraph=True)(A, B)
+    assert len([t for t in targets if t.startswith("fismo.eager_")]) == len(expected) - 2, targets
+    for want, have in zip(expected, traced):
+        assert want.dtype == have.dtype and want.shape == have.shape and torch.equal(want, have)
+    with EagerKernels():
+        assert all(torch.equal(a, b) for a, b in zip(expected, calls(A, B)))
+
+
 def _assert_eager_numbers(model, twin) -> None:
     """A model with AdamW groups: as close to eager as compiled ``torch.optim.AdamW`` itself.
 

@@ -42,6 +42,20 @@ STAGES = {
 SHAPES = [(192, 64), (64, 64), (256, 64), (64, 256)] * 2
 
 
+def small_gpt_matrices() -> tuple[list, object]:
+    """The small GPT's 8 matrices in float64 with a gradient each, and ``FISMO(nonfinite="propagate")``
+    on them (also ``docs/scripts/inductor_float64.py``'s case)."""
+    import torch
+
+    from fismo_core.backends.torch import FISMO
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+    return params, FISMO(params, lr=0.02, nonfinite="propagate")
+
+
 def _stage(stage: int) -> dict:
     """One stage, in this process: a dict of what it found."""
     import warnings
@@ -57,16 +71,8 @@ def _stage(stage: int) -> dict:
         compat_torch.ones_like = lambda x, **kwargs: torch.full_like(x, 1.0)
     if stage >= 3:
         core_linalg._pow2_of = lambda amax: torch.exp2(torch.floor(torch.log2(torch.clamp_min(amax, 1.0))))
-    from fismo_core.backends.torch import FISMO
-
     torch.set_num_threads(1)
-
-    def make() -> tuple[list, FISMO]:
-        g = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in SHAPES]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
-        return params, FISMO(params, lr=0.02, nonfinite="propagate")
+    make = small_gpt_matrices
 
     eager_params, eager = make()
     compiled_params, compiled_opt = make()
