@@ -124,7 +124,7 @@ CASES = [
 #: The scripts without options: ``--help`` prints the usage and the docstring's first line, and runs nothing.
 NO_OPTIONS = ["polar_cut", "scipy_equivalents", "warm_start", "compile_precision", "inductor_cache_isa", "inductor_float64_sources",
               "cpu_kernels", "compiled_lr_schedule", "exact_derivatives", "notes_measurements", "lite_cpp_wrapper",
-              "inductor_float64"]
+              "inductor_float64", "inductor_float64_configs"]
 
 
 @pytest.mark.parametrize(("script", "args", "message"), CASES, ids=[f"{s} {' '.join(a)}" for s, a, _ in CASES])
