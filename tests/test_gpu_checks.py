@@ -222,6 +222,21 @@ def test_compiled_step_check_on_cpu():
 
 
 @pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
+def test_compiled_step_check_in_float64_with_inductor_on_cpu():
+    """Stage 3's float64 case (`FLOAT64_CONFIGS`), here with inductor's default mode on the CPU: the
+    compiled step equals the eager one bit for bit (the adapter's ``EagerKernels``), which stage 3 then
+    reports on CUDA, not judged (``tolerance`` None)."""
+    pytest.importorskip("torch._dynamo")
+    params = gpu_checks.MODELS["tiny-gpt"]()
+    check = gpu_checks.check_compiled_step(
+        params, model="tiny-gpt", dtype="float64", config=gpu_checks.FLOAT64_CONFIGS[0], device="cpu",
+        compile_options={"fullgraph": True}, repeats=1,
+    )
+    assert check.problems == [] and check.errors == {} and check.tolerance is None
+    assert check.max_rel_diff == 0.0 and check.graph_breaks == 0
+
+
+@pytest.mark.filterwarnings(_LRU_CACHE_WARNING)
 @pytest.mark.parametrize("config", ["training, propagate", "propagate, compiled after 2 eager steps",
                                     "propagate, AdamW biases"])
 def test_compiled_step_check_of_the_training_configuration_and_after_eager_steps(config):
