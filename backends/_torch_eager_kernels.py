@@ -107,7 +107,8 @@ class EagerKernels(TorchFunctionMode):
     Any other call, or one of these with arguments it does not know (a ``dtype``, an ``out``), runs
     as it is, and so does every call outside dynamo's tracing (a distributed step, which runs eagerly
     inside ``torch.compile``, may hold ``DTensor`` parameters, for which these operators have no sharding rule).
-    The adapter enters it only in a compiled float64 step without host reads (`wants_eager_kernels`).
+    The adapter enters it only in a compiled float64 step (`wants_eager_kernels`) that reads nothing on
+    the host (``FISMO._step_reads_the_host``).
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
